@@ -1,0 +1,1 @@
+"""kvpool operator: reconciles KVCachePolicy resources into sidecar config."""

@@ -1,0 +1,271 @@
+"""The contract shared by the operator and the sidecar: the ``KVCachePolicy`` spec and the sidecar config.
+
+Field names are camelCase, as in Kubernetes. Every model forbids unknown fields so that a typo in a
+policy is an error that names the field, not a silently ignored setting. Plain Python + pydantic only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+API_GROUP = "kvpool.dev"
+API_VERSION = "v1alpha1"
+KIND = "KVCachePolicy"
+
+EvictionPolicyName = Literal["lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact"]
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+DURATION_PATTERN = r"^(\d+(\.\d+)?(ms|s|m|h))+$"
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Kubernetes-style duration such as ``10s``, ``10m``, ``1h30m`` or ``168h``."""
+    if not re.fullmatch(DURATION_PATTERN, text):
+        raise ValueError(f"{text!r} is not a duration: use a number with a unit ms, s, m or h, e.g. 10m")
+    return sum(float(num) * _UNIT_SECONDS[unit] for num, unit in _DURATION_PART.findall(text))
+
+
+class ConfigError(ValueError):
+    """A policy or config that breaks a rule; ``field`` is the dotted path of the offending field."""
+
+    def __init__(self, field: str, rule: str) -> None:
+        super().__init__(f"{field}: {rule}" if field else rule)
+        self.field = field
+        self.rule = rule
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+
+
+def _check_duration(value: str) -> str:
+    parse_duration(value)
+    return value
+
+
+class LabelSelectorRequirement(_Model):
+    key: str = Field(min_length=1)
+    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
+    values: list[str] = Field(default_factory=list)
+
+
+class LabelSelector(_Model):
+    matchLabels: dict[str, str] = Field(default_factory=dict)
+    matchExpressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+
+    def matches(self, labels: dict[str, str]) -> bool:
+        """Kubernetes label-selector semantics; an empty selector matches every pod."""
+        if any(labels.get(k) != v for k, v in self.matchLabels.items()):
+            return False
+        for req in self.matchExpressions:
+            present = req.key in labels
+            if req.operator == "In" and (not present or labels[req.key] not in req.values):
+                return False
+            if req.operator == "NotIn" and present and labels[req.key] in req.values:
+                return False
+            if req.operator == "Exists" and not present:
+                return False
+            if req.operator == "DoesNotExist" and present:
+                return False
+        return True
+
+
+class Weights(_Model):
+    """Score = reuse * P_reuse + locality * S_locality + timeWindow * T_window."""
+
+    reuse: float = Field(default=0.6, ge=0, le=1, description="alpha: weight of the reuse probability")
+    locality: float = Field(default=0.3, ge=0, le=1, description="beta: weight of the prompt position")
+    timeWindow: float = Field(default=0.1, ge=0, le=1, description="gamma: weight of the time window")
+
+    @model_validator(mode="after")
+    def _not_all_zero(self) -> Weights:
+        if self.reuse + self.locality + self.timeWindow <= 0:
+            raise ValueError("at least one weight must be above 0")
+        return self
+
+
+class Eviction(_Model):
+    policy: EvictionPolicyName = "workload_aware"
+    weights: Weights = Field(default_factory=Weights)
+    protectedPercent: float = Field(
+        default=20, ge=0, le=90, description="share of cached pages with the highest value, evicted last"
+    )
+
+
+class ToCWorkload(_Model):
+    timeWindow: str = Field(default="10m", pattern=DURATION_PATTERN, description="reuse window")
+    decayPerMinute: float = Field(default=0.15, gt=0, le=600, description="prior reuse decay rate")
+
+    _dur = field_validator("timeWindow")(_check_duration)
+
+    @property
+    def window_seconds(self) -> float:
+        return parse_duration(self.timeWindow)
+
+
+class ToBWorkload(ToCWorkload):
+    timeWindow: str = Field(default="10s", pattern=DURATION_PATTERN, description="reuse window")
+    decayPerMinute: float = Field(default=6.0, gt=0, le=600, description="prior reuse decay rate")
+    isolationPercent: float = Field(default=30, ge=0, le=100, description="share of pages for to-B")
+
+
+class Workloads(_Model):
+    toC: ToCWorkload = Field(default_factory=ToCWorkload)
+    toB: ToBWorkload = Field(default_factory=ToBWorkload)
+
+
+class AutoPin(_Model):
+    enabled: bool = True
+    minPromptTokens: int = Field(default=1024, ge=1, description="auto-pin prompts at least this long")
+    minPrefixQPS: float = Field(default=100, gt=0, description="auto-pin prefixes hotter than this")
+
+
+class Pinning(_Model):
+    quotaPercent: float = Field(default=30, ge=0, le=100, description="most pages that may be pinned")
+    autoPin: AutoPin = Field(default_factory=AutoPin)
+
+
+class Tenancy(_Model):
+    isolation: Literal["perTenant", "none"] = "perTenant"
+    sharedPrefixes: list[str] = Field(
+        default_factory=list,
+        description="hex digests of first pages (unsalted) that every tenant may share, e.g. a system prompt",
+    )
+
+    @field_validator("sharedPrefixes")
+    @classmethod
+    def _hex(cls, values: list[str]) -> list[str]:
+        for v in values:
+            if not re.fullmatch(r"[0-9a-f]{32}", v):
+                raise ValueError(f"{v!r} is not a 32-digit lowercase hex page digest")
+        return values
+
+
+class Learning(_Model):
+    coldStartPeriod: str = Field(default="168h", pattern=DURATION_PATTERN)
+    minSamples: int = Field(default=200, ge=1, description="reuses a class needs before its own fit is used")
+    driftThresholdPercent: float = Field(default=20, gt=0, le=1000)
+    refitOnDrift: bool = True
+
+    _dur = field_validator("coldStartPeriod")(_check_duration)
+
+
+class PreEviction(_Model):
+    enabled: bool = True
+    lowWatermarkPercent: float = Field(default=10, ge=0, le=100, description="free pages kept by idle eviction")
+
+
+class KVCachePolicySpec(_Model):
+    selector: LabelSelector = Field(default_factory=LabelSelector)
+    pageSize: int = Field(default=16, ge=1, le=4096, description="tokens per page")
+    eviction: Eviction = Field(default_factory=Eviction)
+    workloads: Workloads = Field(default_factory=Workloads)
+    pinning: Pinning = Field(default_factory=Pinning)
+    tenancy: Tenancy = Field(default_factory=Tenancy)
+    learning: Learning = Field(default_factory=Learning)
+    preEviction: PreEviction = Field(default_factory=PreEviction)
+
+    @model_validator(mode="after")
+    def _shares_fit(self) -> KVCachePolicySpec:
+        if self.workloads.toB.isolationPercent + self.pinning.quotaPercent > 100:
+            raise ValueError(
+                "workloads.toB.isolationPercent + pinning.quotaPercent must not exceed 100"
+            )
+        return self
+
+
+class PolicySource(_Model):
+    """Where a rendered config came from; written by the operator beside the spec."""
+
+    name: str = ""
+    namespace: str = ""
+    generation: int = 0
+    hash: str = ""
+
+
+class SidecarConfig(KVCachePolicySpec):
+    """The sidecar's config file: the policy spec plus, when rendered by the operator, its source."""
+
+    source: PolicySource | None = None
+
+    def spec(self) -> KVCachePolicySpec:
+        return KVCachePolicySpec.model_validate(self.model_dump(exclude={"source"}))
+
+
+def spec_hash(spec: KVCachePolicySpec) -> str:
+    """A stable short hash of a spec's effective values (defaults filled in), as the operator writes it."""
+    data = KVCachePolicySpec.model_validate(spec.model_dump(exclude={"source"})).model_dump(mode="json")
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _error_from(exc: ValidationError, prefix: str) -> ConfigError:
+    first = exc.errors()[0]
+    path = ".".join(str(p) for p in first["loc"])
+    field = f"{prefix}.{path}" if prefix and path else (prefix or path)
+    rule = first["msg"]
+    if first["type"] == "extra_forbidden":
+        rule = "unknown field"
+    return ConfigError(field, rule.removeprefix("Value error, "))
+
+
+def validate_spec(data: Any, prefix: str = "spec") -> KVCachePolicySpec:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(prefix, f"must be a mapping, got {type(data).__name__}")
+    try:
+        return KVCachePolicySpec.model_validate(data)
+    except ValidationError as exc:
+        raise _error_from(exc, prefix) from None
+
+
+def validate_config(data: Any) -> SidecarConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("", f"config must be a mapping, got {type(data).__name__}")
+    try:
+        return SidecarConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _error_from(exc, "") from None
+
+
+def parse_config_text(text: str) -> SidecarConfig:
+    """Parse a sidecar config file's text; empty text or ``{}`` means every default."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"not valid YAML: {exc}") from None
+    return validate_config(data)
+
+
+def load_config(path: str | Path) -> SidecarConfig:
+    return parse_config_text(Path(path).read_text())
+
+
+def load_policy(text: str) -> tuple[dict[str, Any], KVCachePolicySpec]:
+    """Parse a whole ``KVCachePolicy`` manifest; returns its metadata and validated spec."""
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"not valid YAML: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError("", "a KVCachePolicy manifest must be a mapping")
+    if doc.get("kind") != KIND:
+        raise ConfigError("kind", f"must be {KIND}")
+    if doc.get("apiVersion") != f"{API_GROUP}/{API_VERSION}":
+        raise ConfigError("apiVersion", f"must be {API_GROUP}/{API_VERSION}")
+    meta = doc.get("metadata") or {}
+    if not isinstance(meta, dict) or not meta.get("name"):
+        raise ConfigError("metadata.name", "is required")
+    return meta, validate_spec(doc.get("spec"))

@@ -1,0 +1,798 @@
+"""The paged KV pool's bookkeeping: pages, the prefix index, pins, partitions. Plain Python, no I/O.
+
+Page state lives in parallel lists indexed by page id (struct of arrays): it is what keeps a
+1,000,000-page pool under 300 bytes per cached page and the hot path free of object allocation.
+
+Invariants (checked by :meth:`PagePool.check_invariants`, named here so that code and tests agree):
+
+* I1 one state: every page is exactly one of free (on the free stack), in use (refcount > 0) or
+  cached (refcount 0 with a key in the prefix index).
+* I2 commit before share: the prefix index only holds full pages whose KV a sequence committed.
+* I3 chained keys: a page's key covers its whole prefix; the first page is salted by its tenant
+  unless the prefix is declared shared.
+* I4 no orphans: the parent of every indexed page is indexed too; eviction takes descendants first.
+* I5 eviction safety: a page in use or pinned is never in a policy, so never evicted.
+* I6 pin quota: pinned pages never exceed the quota (a lower quota applied live keeps older pins).
+* I7 partitions: a class allocates only inside its partition; it evicts only its own pages.
+* I8 all or nothing: a call that raises leaves the pool exactly as it was.
+* I9 no leaks: with no sequence alive, free + cached pages == total pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import time
+from array import array
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from kvpool_sidecar.config import KVCachePolicySpec
+from kvpool_sidecar.policies import EvictionPolicy, make_policy
+
+NO_PAGE = -1
+TO_C = "toC"
+TO_B = "toB"
+DEFAULT_TENANT = "default"
+_PARTITIONS = (TO_C, TO_B)
+
+
+# --------------------------------------------------------------------------------------------- errors
+class PoolError(Exception):
+    """Base of the pool's typed errors; ``field`` names the request field at fault, when one is."""
+
+    status = 400
+
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidRequest(PoolError):
+    status = 422
+
+
+class UnknownSequence(PoolError):
+    status = 404
+
+
+class UnknownPin(PoolError):
+    status = 404
+
+
+class DuplicateSequence(PoolError):
+    status = 409
+
+
+class QuotaExceeded(PoolError):
+    status = 409
+
+
+class PoolExhausted(PoolError):
+    status = 503
+
+    def __init__(self, needed: int, evictable: int, partition: str) -> None:
+        super().__init__(
+            f"partition {partition} needs {needed} pages but only {evictable} are free or evictable"
+        )
+        self.needed = needed
+        self.evictable = evictable
+        self.partition = partition
+
+
+# ------------------------------------------------------------------------------------------ requests
+@dataclass(frozen=True, slots=True)
+class WorkloadMeta:
+    """What the engine knows about a request; drives partitioning, salting and the reuse statistics."""
+
+    workload_class: str = TO_C
+    request_type: str = "text"
+    turn: int = 0
+    tenant: str = DEFAULT_TENANT
+    user: str = ""
+
+    @property
+    def class_key(self) -> tuple[str, str, int]:
+        """The statistics class: workload class x request type x turn (first turn vs. follow-up)."""
+        return (self.workload_class, self.request_type, min(self.turn, 1))
+
+
+DEFAULT_META = WorkloadMeta()
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    seq_id: str
+    num_cached_tokens: int
+    page_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ForkResult:
+    seq_id: str
+    page_ids: list[int]
+    copy_src: int  # storage copies this page's KV into ``copy_dst`` (NO_PAGE: nothing to copy)
+    copy_dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    pin_id: str
+    pages: tuple[int, ...]
+    expires_at: float | None
+
+
+@dataclass(slots=True)
+class PartitionStats:
+    capacity: int
+    owned: int
+    cached: int
+    evictable: int
+
+
+@dataclass(slots=True)
+class PoolStats:
+    total_pages: int
+    page_size: int
+    free_pages: int
+    in_use_pages: int
+    cached_pages: int
+    pinned_pages: int
+    pin_quota_pages: int
+    sequences: int
+    pins: int
+    fragmentation_tokens: int  # token slots allocated to live sequences but not holding a token
+    allocated_token_slots: int
+    evictions: int
+    hit_tokens: int
+    lookup_tokens: int
+    partitions: dict[str, PartitionStats] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Seq:
+    seq_id: str
+    meta: WorkloadMeta
+    partition: int
+    pages: list[int]
+    keys: list[Hashable]  # keys of the full prompt pages
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed: int = 0
+    published: int = 0  # pages [0, published) are in the prefix index
+    publish_blocked: bool = False
+
+
+# ---------------------------------------------------------------------------------------- hashing
+def tenant_salt(tenant: str) -> bytes:
+    return hashlib.blake2b(b"kvpool-tenant\x00" + tenant.encode(), digest_size=16).digest()
+
+
+def first_page_digest(tokens: Sequence[int], page_size: int) -> str:
+    """The unsalted digest of a prompt's first page: what ``tenancy.sharedPrefixes`` lists."""
+    buf = array("q", tokens[:page_size]).tobytes()
+    return hashlib.blake2b(buf, digest_size=16).hexdigest()
+
+
+def chain_token_keys(
+    tokens: Sequence[int], page_size: int, salt: bytes | None, shared_first: frozenset[str] = frozenset()
+) -> list[bytes]:
+    """Chained keys of the full pages of ``tokens``: key_i = H(key_{i-1} || tokens of page i).
+
+    The first page is salted with ``salt`` (its tenant) unless ``salt`` is None or its unsalted
+    digest is declared shared, so tenants never hit each other's pages.
+    """
+    try:
+        buf = array("q", tokens).tobytes()
+    except (TypeError, OverflowError):
+        raise InvalidRequest("tokens must be integers in [0, 2**63)", "tokens") from None
+    stride = page_size * 8
+    keys: list[bytes] = []
+    blake = hashlib.blake2b
+    parent = b""
+    for i in range(len(tokens) // page_size):
+        digest = blake(parent + buf[i * stride : (i + 1) * stride], digest_size=16).digest()
+        if i == 0 and salt is not None and digest.hex() not in shared_first:
+            digest = blake(salt + digest, digest_size=16).digest()
+        keys.append(digest)
+        parent = digest
+    return keys
+
+
+# -------------------------------------------------------------------------------------------- pool
+class PagePool:
+    """A fixed set of ``total_pages`` pages of ``page_size`` tokens, shared by prefix across sequences."""
+
+    def __init__(
+        self,
+        total_pages: int,
+        spec: KVCachePolicySpec | None = None,
+        *,
+        policy_factory: Callable[[], EvictionPolicy] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        spec = spec or KVCachePolicySpec()
+        if total_pages < 1:
+            raise InvalidRequest("total_pages must be at least 1", "total_pages")
+        n = total_pages
+        self.total_pages = n
+        self.page_size = spec.pageSize
+        self.clock = clock
+        self._policy_factory = policy_factory or (lambda: make_policy(spec.eviction.policy))
+        # Page state (struct of arrays).
+        self._ref = [0] * n
+        self._key: list[Hashable | None] = [None] * n
+        self._parent = [NO_PAGE] * n
+        self._first_child = [NO_PAGE] * n
+        self._next_sib = [NO_PAGE] * n
+        self._prev_sib = [NO_PAGE] * n
+        self._pins = [0] * n
+        self._part = [0] * n
+        self._last = [0.0] * n
+        self._user: list[str] = [""] * n
+        self._index: dict[Hashable, int] = {}
+        self._free = list(range(n - 1, -1, -1))  # a stack: page 0 is handed out first
+        self._policies: list[EvictionPolicy] = [self._policy_factory() for _ in _PARTITIONS]
+        self._owned = [0, 0]
+        self._caps = [n, 0]
+        self._seqs: dict[str, _Seq] = {}
+        self._pin_records: dict[str, Pin] = {}
+        self._pin_expiry: list[tuple[float, str]] = []
+        self._pin_ids = itertools.count(1)
+        self._pinned_pages = 0
+        self._alloc_slots = 0
+        self._used_slots = 0
+        self._salts: dict[str, bytes] = {}
+        # Cumulative counters (read by metrics; cheap ints on the hot path).
+        self.evictions = 0
+        self.hit_tokens = 0
+        self.lookup_tokens = 0
+        self.autopins = 0
+        self.autopins_refused = 0
+        self.spec = spec
+        self._apply(spec)
+
+    # --------------------------------------------------------------------------- configuration
+    def _apply(self, spec: KVCachePolicySpec) -> None:
+        n = self.total_pages
+        to_b = int(n * spec.workloads.toB.isolationPercent / 100)
+        self._caps = [n - to_b, to_b]
+        self.pin_quota = int(n * spec.pinning.quotaPercent / 100)
+        self._isolate = spec.tenancy.isolation == "perTenant"
+        self._shared_first = frozenset(spec.tenancy.sharedPrefixes)
+        self._autopin = spec.pinning.autoPin
+        self._windows = {TO_C: spec.workloads.toC.window_seconds, TO_B: spec.workloads.toB.window_seconds}
+        self.spec = spec
+
+    def reconfigure(self, spec: KVCachePolicySpec) -> None:
+        """Swap parameters on the live pool: no page is dropped; over-full partitions shrink as they evict."""
+        if spec.pageSize != self.page_size:
+            raise InvalidRequest(
+                f"pageSize cannot change at runtime ({self.page_size} -> {spec.pageSize}): it needs a restart",
+                "pageSize",
+            )
+        self._apply(spec)
+
+    @property
+    def policies(self) -> tuple[EvictionPolicy, ...]:
+        return tuple(self._policies)
+
+    def partition_of(self, meta: WorkloadMeta) -> int:
+        # With no to-B share there is one shared partition.
+        return 1 if meta.workload_class == TO_B and self._caps[1] > 0 else 0
+
+    # ---------------------------------------------------------------------------------- keys
+    def _salt(self, tenant: str) -> bytes:
+        salt = self._salts.get(tenant)
+        if salt is None:
+            salt = self._salts[tenant] = tenant_salt(tenant)
+        return salt
+
+    def _keys(
+        self,
+        tokens: Sequence[int] | None,
+        block_hashes: Sequence[Hashable] | None,
+        num_tokens: int | None,
+        meta: WorkloadMeta,
+    ) -> tuple[list[Hashable], int]:
+        """The keys of the request's full pages, and its length in tokens."""
+        ps = self.page_size
+        if (tokens is None) == (block_hashes is None):
+            raise InvalidRequest("give exactly one of tokens or block_hashes", "tokens")
+        if tokens is not None:
+            if num_tokens is not None and num_tokens != len(tokens):
+                raise InvalidRequest("num_tokens must equal len(tokens)", "num_tokens")
+            if not tokens:
+                raise InvalidRequest("tokens must not be empty", "tokens")
+            salt = self._salt(meta.tenant) if self._isolate else None
+            return chain_token_keys(tokens, ps, salt, self._shared_first), len(tokens)
+        assert block_hashes is not None
+        if not block_hashes:
+            raise InvalidRequest("block_hashes must not be empty", "block_hashes")
+        n = len(block_hashes) * ps if num_tokens is None else num_tokens
+        if n < 1 or not (len(block_hashes) - 1) * ps < n <= len(block_hashes) * ps:
+            raise InvalidRequest(
+                f"num_tokens={n} does not fit {len(block_hashes)} blocks of {ps} tokens", "num_tokens"
+            )
+        full = n // ps
+        hashes = block_hashes[:full]
+        if not self._isolate or meta.tenant == DEFAULT_TENANT:
+            # Precomputed ids (trace formats, engines hashing themselves) are used as they are.
+            keys = list(hashes)
+        else:
+            salt = self._salt(meta.tenant)
+            keys = [hashlib.blake2b(salt + repr(h).encode(), digest_size=16).digest() for h in hashes]
+        try:
+            for k in keys:
+                hash(k)
+        except TypeError:
+            raise InvalidRequest("block_hashes must be integers or strings", "block_hashes") from None
+        return keys, n
+
+    def _cached_prefix(self, keys: list[Hashable]) -> list[int]:
+        index = self._index
+        hits: list[int] = []
+        for key in keys:
+            page = index.get(key)
+            if page is None:
+                break
+            hits.append(page)
+        return hits
+
+    # ------------------------------------------------------------------------------ allocation
+    def _obtainable(self, part: int, exclude: list[int]) -> int:
+        """Pages that partition ``part`` could get now, if the pages in ``exclude`` stop being evictable."""
+        policies = self._policies
+        evictable = [len(p) for p in policies]
+        for page in exclude:
+            owner = self._part[page]
+            if page in policies[owner]:
+                evictable[owner] -= 1
+        headroom = self._caps[part] - self._owned[part]
+        if headroom <= 0:
+            return evictable[part]
+        return evictable[part] + min(headroom, len(self._free) + evictable[1 - part])
+
+    def _allocate(self, part: int, count: int, now: float) -> list[int]:
+        """Hand out ``count`` pages to ``part``; the caller checked :meth:`_obtainable` first."""
+        pages: list[int] = []
+        free = self._free
+        owned = self._owned
+        cap = self._caps[part]
+        for _ in range(count):
+            if owned[part] < cap:
+                if not free:
+                    # Only when the other partition is over its share (after a live resize).
+                    self._evict_one(1 - part, now)
+            else:
+                self._evict_one(part, now)
+            page = free.pop()
+            owned[part] += 1
+            self._part[page] = part
+            self._ref[page] = 1
+            pages.append(page)
+        return pages
+
+    def _evict_one(self, part: int, now: float) -> None:
+        page = self._policies[part].victim(now)
+        if self._first_child[page] != NO_PAGE:
+            self._evict_descendants(page)
+        self._drop(page)
+
+    def _evict_descendants(self, page: int) -> None:
+        """Descendants of an evicted page are unreachable: evict them too, leaves first (I4)."""
+        stack = [page]
+        order: list[int] = []
+        while stack:
+            p = stack.pop()
+            child = self._first_child[p]
+            while child != NO_PAGE:
+                order.append(child)
+                stack.append(child)
+                child = self._next_sib[child]
+        for p in reversed(order):
+            self._policies[self._part[p]].remove(p, 0.0, False)
+            self._drop(p)
+
+    def _drop(self, page: int) -> None:
+        """Remove an evictable page from the index and the tree and free it."""
+        del self._index[self._key[page]]
+        self._key[page] = None
+        self._unlink(page)
+        self._owned[self._part[page]] -= 1
+        self._free.append(page)
+        self.evictions += 1
+
+    def _link(self, page: int, parent: int) -> None:
+        self._parent[page] = parent
+        if parent != NO_PAGE:
+            head = self._first_child[parent]
+            self._next_sib[page] = head
+            if head != NO_PAGE:
+                self._prev_sib[head] = page
+            self._first_child[parent] = page
+
+    def _unlink(self, page: int) -> None:
+        parent = self._parent[page]
+        if parent == NO_PAGE:
+            return
+        prev, nxt = self._prev_sib[page], self._next_sib[page]
+        if prev != NO_PAGE:
+            self._next_sib[prev] = nxt
+        else:
+            self._first_child[parent] = nxt
+        if nxt != NO_PAGE:
+            self._prev_sib[nxt] = prev
+        self._parent[page] = self._prev_sib[page] = self._next_sib[page] = NO_PAGE
+
+    # ------------------------------------------------------------------------------ the API
+    def admit(
+        self,
+        seq_id: str,
+        tokens: Sequence[int] | None = None,
+        *,
+        block_hashes: Sequence[Hashable] | None = None,
+        num_tokens: int | None = None,
+        meta: WorkloadMeta = DEFAULT_META,
+        now: float | None = None,
+    ) -> Admission:
+        """Start a sequence: reuse its longest cached prefix and allocate pages for the rest."""
+        now = self.clock() if now is None else now
+        self._expire_pins(now)
+        if seq_id in self._seqs:
+            raise DuplicateSequence(f"sequence {seq_id!r} already exists", "seq_id")
+        keys, n = self._keys(tokens, block_hashes, num_tokens, meta)
+        ps = self.page_size
+        hits = self._cached_prefix(keys)
+        need = -(-n // ps) - len(hits)
+        part = self.partition_of(meta)
+        if need > 0:
+            obtainable = self._obtainable(part, hits)
+            if need > obtainable:
+                raise PoolExhausted(need, obtainable, _PARTITIONS[part])
+        # From here on nothing raises (I8).
+        ref = self._ref
+        pins = self._pins
+        last = self._last
+        policies = self._policies
+        for page in hits:
+            if ref[page] == 0 and pins[page] == 0:
+                policies[self._part[page]].remove(page, now, True)
+            ref[page] += 1
+        pages = hits + self._allocate(part, need, now) if need > 0 else hits
+        for page in hits:
+            last[page] = now
+        cached_tokens = min(len(hits) * ps, n)
+        self.hit_tokens += cached_tokens
+        self.lookup_tokens += n
+        self._seqs[seq_id] = _Seq(seq_id, meta, part, pages, keys, n, n, cached_tokens, len(hits))
+        self._alloc_slots += len(pages) * ps
+        self._used_slots += n
+        return Admission(seq_id, cached_tokens, pages)
+
+    def _seq(self, seq_id: str) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(f"no sequence {seq_id!r}", "seq_id")
+        return seq
+
+    def commit(self, seq_id: str, num_computed_tokens: int, now: float | None = None) -> int:
+        """The KV of the first ``num_computed_tokens`` is written: publish the full pages (I2).
+
+        Returns how many pages the sequence has published in all.
+        """
+        seq = self._seq(seq_id)
+        if not seq.num_computed <= num_computed_tokens <= seq.num_tokens:
+            raise InvalidRequest(
+                f"num_computed_tokens must be in [{seq.num_computed}, {seq.num_tokens}]",
+                "num_computed_tokens",
+            )
+        seq.num_computed = num_computed_tokens
+        upto = min(num_computed_tokens // self.page_size, len(seq.keys))
+        if seq.publish_blocked or upto <= seq.published:
+            return seq.published
+        index = self._index
+        pages = seq.pages
+        keys = seq.keys
+        user = seq.meta.user
+        i = seq.published
+        while i < upto:
+            key = keys[i]
+            page = pages[i]
+            holder = index.get(key)
+            if holder is not None:
+                if holder != page:
+                    # Another sequence published the same prefix first: ours stays private (freed on
+                    # release), and so do the pages after it, whose parent would not be ours.
+                    seq.publish_blocked = True
+                    break
+            else:
+                index[key] = page
+                self._key[page] = key
+                self._user[page] = user
+                self._link(page, pages[i - 1] if i else NO_PAGE)
+            i += 1
+        seq.published = i
+        if self._autopin.enabled and seq.num_prompt_tokens >= self._autopin.minPromptTokens:
+            self._auto_pin(seq, self.clock() if now is None else now)
+        return seq.published
+
+    def append(self, seq_id: str, num_new_tokens: int, now: float | None = None) -> list[int]:
+        """Decoding grew the sequence; returns the pages added when it crossed page boundaries."""
+        seq = self._seq(seq_id)
+        if num_new_tokens < 0:
+            raise InvalidRequest("num_new_tokens must be at least 0", "num_new_tokens")
+        now = self.clock() if now is None else now
+        need = -(-(seq.num_tokens + num_new_tokens) // self.page_size) - len(seq.pages)
+        if need > 0:
+            obtainable = self._obtainable(seq.partition, [])
+            if need > obtainable:
+                raise PoolExhausted(need, obtainable, _PARTITIONS[seq.partition])
+            new = self._allocate(seq.partition, need, now)
+            seq.pages.extend(new)
+            self._alloc_slots += need * self.page_size
+        else:
+            new = []
+        seq.num_tokens += num_new_tokens
+        self._used_slots += num_new_tokens
+        return new
+
+    def fork(self, seq_id: str, new_seq_id: str, now: float | None = None) -> ForkResult:
+        """Parallel sampling: share the full pages, copy the partial last page into a fresh one."""
+        seq = self._seq(seq_id)
+        if new_seq_id in self._seqs:
+            raise DuplicateSequence(f"sequence {new_seq_id!r} already exists", "new_seq_id")
+        now = self.clock() if now is None else now
+        ps = self.page_size
+        full = seq.num_tokens // ps
+        partial = len(seq.pages) > full
+        if partial:
+            obtainable = self._obtainable(seq.partition, [])
+            if obtainable < 1:
+                raise PoolExhausted(1, obtainable, _PARTITIONS[seq.partition])
+        shared = seq.pages[:full]
+        for page in shared:
+            self._ref[page] += 1
+        pages = list(shared)
+        src = dst = NO_PAGE
+        if partial:
+            src = seq.pages[full]
+            dst = self._allocate(seq.partition, 1, now)[0]
+            pages.append(dst)
+        child = _Seq(
+            new_seq_id, seq.meta, seq.partition, pages, seq.keys, seq.num_tokens,
+            seq.num_prompt_tokens, seq.num_computed, min(seq.published, full), seq.publish_blocked,
+        )
+        self._seqs[new_seq_id] = child
+        self._alloc_slots += len(pages) * ps
+        self._used_slots += seq.num_tokens
+        return ForkResult(new_seq_id, pages, src, dst)
+
+    def release(self, seq_id: str, now: float | None = None) -> None:
+        """The sequence is done: its published pages stay cached, the rest are freed."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequence(f"no sequence {seq_id!r}", "seq_id")
+        now = self.clock() if now is None else now
+        ref = self._ref
+        key = self._key
+        pins = self._pins
+        last = self._last
+        part = self._part
+        policies = self._policies
+        klass = seq.meta.class_key
+        pages = seq.pages
+        # Tail first, so that in recency order a prompt's head outlives its tail.
+        for depth in range(len(pages) - 1, -1, -1):
+            page = pages[depth]
+            r = ref[page] - 1
+            ref[page] = r
+            if r:
+                continue
+            last[page] = now
+            if key[page] is not None:
+                if not pins[page]:
+                    policies[part[page]].insert(page, now, depth, klass)
+            else:
+                self._owned[part[page]] -= 1
+                self._free.append(page)
+        self._alloc_slots -= len(pages) * self.page_size
+        self._used_slots -= seq.num_tokens
+
+    def lookup(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        block_hashes: Sequence[Hashable] | None = None,
+        num_tokens: int | None = None,
+        meta: WorkloadMeta = DEFAULT_META,
+    ) -> int:
+        """How many leading tokens are cached now; changes nothing."""
+        keys, n = self._keys(tokens, block_hashes, num_tokens, meta)
+        return min(len(self._cached_prefix(keys)) * self.page_size, n)
+
+    # ---------------------------------------------------------------------------------- pins
+    def pin(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        block_hashes: Sequence[Hashable] | None = None,
+        seq_id: str | None = None,
+        meta: WorkloadMeta = DEFAULT_META,
+        ttl: float | None = None,
+        now: float | None = None,
+    ) -> Pin:
+        """Protect a cached prefix (or a sequence's published pages) from eviction; ``ttl`` makes it lapse."""
+        now = self.clock() if now is None else now
+        self._expire_pins(now)
+        if ttl is not None and ttl <= 0:
+            raise InvalidRequest("ttl must be above 0 seconds", "ttl")
+        if seq_id is not None:
+            if tokens is not None or block_hashes is not None:
+                raise InvalidRequest("pin either a seq_id or a prefix, not both", "seq_id")
+            seq = self._seq(seq_id)
+            pages = seq.pages[: seq.published]
+        else:
+            keys, _ = self._keys(tokens, block_hashes, None, meta)
+            pages = self._cached_prefix(keys)
+        if not pages:
+            raise InvalidRequest("nothing of that prefix is cached to pin", "tokens" if seq_id is None else "seq_id")
+        return self._pin_pages(pages, ttl, now)
+
+    def _pin_pages(self, pages: list[int], ttl: float | None, now: float) -> Pin:
+        new = sum(1 for p in pages if self._pins[p] == 0)
+        if self._pinned_pages + new > self.pin_quota:
+            raise QuotaExceeded(
+                f"pinning {new} more pages would exceed the pin quota "
+                f"({self._pinned_pages} of {self.pin_quota} pages pinned)",
+                "pinning.quotaPercent",
+            )
+        for page in pages:
+            if self._pins[page] == 0:
+                self._pinned_pages += 1
+                if self._ref[page] == 0:
+                    self._policies[self._part[page]].remove(page, now, False)
+            self._pins[page] += 1
+        pin_id = f"pin-{next(self._pin_ids)}"
+        expires = None if ttl is None else now + ttl
+        record = Pin(pin_id, tuple(pages), expires)
+        self._pin_records[pin_id] = record
+        if expires is not None:
+            heapq.heappush(self._pin_expiry, (expires, pin_id))
+        return record
+
+    def unpin(self, pin_id: str, now: float | None = None) -> None:
+        record = self._pin_records.pop(pin_id, None)
+        if record is None:
+            raise UnknownPin(f"no pin {pin_id!r}", "pin_id")
+        now = self.clock() if now is None else now
+        for page in reversed(record.pages):
+            self._pins[page] -= 1
+            if self._pins[page] == 0:
+                self._pinned_pages -= 1
+                if self._ref[page] == 0:
+                    self._policies[self._part[page]].insert(page, now, self._depth(page), None)
+
+    def _depth(self, page: int) -> int:
+        depth = 0
+        while self._parent[page] != NO_PAGE:
+            page = self._parent[page]
+            depth += 1
+        return depth
+
+    def _expire_pins(self, now: float) -> None:
+        expiry = self._pin_expiry
+        while expiry and expiry[0][0] <= now:
+            _, pin_id = heapq.heappop(expiry)
+            if pin_id in self._pin_records:
+                self.unpin(pin_id, now)
+
+    def _auto_pin(self, seq: _Seq, now: float) -> None:
+        pages = seq.pages[: seq.published]
+        if not pages or all(self._pins[p] for p in pages):
+            return
+        try:
+            self._pin_pages(pages, self._windows.get(seq.meta.workload_class, self._windows[TO_C]), now)
+            self.autopins += 1
+        except QuotaExceeded:
+            self.autopins_refused += 1
+
+    @property
+    def pins(self) -> dict[str, Pin]:
+        return dict(self._pin_records)
+
+    # ------------------------------------------------------------------------------- reading
+    def sequence_pages(self, seq_id: str) -> list[int]:
+        return list(self._seq(seq_id).pages)
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def stats(self) -> PoolStats:
+        in_use = sum(1 for r in self._ref if r)
+        free = len(self._free)
+        parts = {}
+        for i, name in enumerate(_PARTITIONS):
+            evictable = len(self._policies[i])
+            parts[name] = PartitionStats(self._caps[i], self._owned[i], 0, evictable)
+        cached = 0
+        for page, key in enumerate(self._key):
+            if key is not None and self._ref[page] == 0:
+                cached += 1
+                parts[_PARTITIONS[self._part[page]]].cached += 1
+        return PoolStats(
+            total_pages=self.total_pages,
+            page_size=self.page_size,
+            free_pages=free,
+            in_use_pages=in_use,
+            cached_pages=cached,
+            pinned_pages=self._pinned_pages,
+            pin_quota_pages=self.pin_quota,
+            sequences=len(self._seqs),
+            pins=len(self._pin_records),
+            fragmentation_tokens=self._alloc_slots - self._used_slots,
+            allocated_token_slots=self._alloc_slots,
+            evictions=self.evictions,
+            hit_tokens=self.hit_tokens,
+            lookup_tokens=self.lookup_tokens,
+            partitions=parts,
+        )
+
+    def check_invariants(self) -> None:
+        """Recompute every invariant from scratch; raises AssertionError naming the one broken."""
+        n = self.total_pages
+        free_set = set(self._free)
+        assert len(free_set) == len(self._free), "I1: a page is on the free stack twice"
+        refs = [0] * n
+        slots = used = 0
+        for seq in self._seqs.values():
+            for p in seq.pages:
+                refs[p] += 1
+            slots += len(seq.pages) * self.page_size
+            used += seq.num_tokens
+            assert len(seq.pages) == -(-seq.num_tokens // self.page_size), f"{seq.seq_id}: page table size"
+            for i in range(seq.published):
+                assert self._index.get(seq.keys[i]) == seq.pages[i], f"I2: {seq.seq_id} page {i} unpublished"
+            assert seq.published * self.page_size <= seq.num_computed, f"I2: {seq.seq_id} published early"
+        assert refs == self._ref, "I1: refcounts differ from the sequences' page tables"
+        assert (slots, used) == (self._alloc_slots, self._used_slots), "fragmentation accounting drifted"
+        pin_counts = [0] * n
+        for record in self._pin_records.values():
+            for p in record.pages:
+                pin_counts[p] += 1
+        assert pin_counts == self._pins, "I6: pin counts differ from the pin records"
+        pinned = sum(1 for c in pin_counts if c)
+        assert pinned == self._pinned_pages, "I6: pinned page count drifted"
+        owned = [0, 0]
+        for page in range(n):
+            key = self._key[page]
+            in_free = page in free_set
+            states = (in_free, self._ref[page] > 0, self._ref[page] == 0 and key is not None)
+            assert sum(states) == 1, f"I1: page {page} is in {sum(states)} states"
+            if in_free:
+                assert key is None and self._pins[page] == 0, f"I1: free page {page} has a key or a pin"
+                continue
+            owned[self._part[page]] += 1
+            if key is not None:
+                assert self._index.get(key) == page, f"I2: index does not map page {page}'s key to it"
+                parent = self._parent[page]
+                assert parent == NO_PAGE or self._key[parent] is not None, f"I4: page {page} is an orphan"
+                if self._pins[page] and parent != NO_PAGE:
+                    assert self._pins[parent], f"I6: pinned page {page} has an unpinned parent"
+            evictable = self._ref[page] == 0 and key is not None and self._pins[page] == 0
+            in_policy = page in self._policies[self._part[page]]
+            assert evictable == in_policy, f"I5: page {page} evictable={evictable} but in_policy={in_policy}"
+            assert page not in self._policies[1 - self._part[page]], f"I7: page {page} in the wrong policy"
+        assert len(self._index) == sum(1 for k in self._key if k is not None), "I2: index size"
+        assert owned == self._owned, f"I7: partition ownership {self._owned} != {owned}"
+        for i in range(len(_PARTITIONS)):
+            assert len(self._policies[i]) <= owned[i], "I5: a policy holds more pages than its partition"
+        for page in range(n):
+            child = self._first_child[page]
+            while child != NO_PAGE:
+                assert self._parent[child] == page, f"I4: tree link of page {child} is broken"
+                child = self._next_sib[child]
+        if not self._seqs:
+            cached = sum(1 for k in self._key if k is not None)
+            assert len(self._free) + cached == n, "I9: pages leaked"
