@@ -6,7 +6,6 @@ import argparse
 import sys
 
 import yaml
-
 from kvpool_sidecar.config import ConfigError, load_policy, spec_hash
 
 

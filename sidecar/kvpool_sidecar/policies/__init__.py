@@ -4,22 +4,43 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool_sidecar.policies.base import EvictionPolicy, PolicyError
+from kvpool_sidecar.policies.base import EvictionPolicy, PolicyContext, PolicyError
+from kvpool_sidecar.policies.fifo import FIFOPolicy, S3FIFOPolicy
+from kvpool_sidecar.policies.lfu import LFUPolicy
 from kvpool_sidecar.policies.lru import LRUPolicy
+from kvpool_sidecar.policies.workload_aware import WorkloadAwareExactPolicy, WorkloadAwarePolicy
 
-PolicyFactory = Callable[[], EvictionPolicy]
+PolicyFactory = Callable[[PolicyContext], EvictionPolicy]
 
 POLICIES: dict[str, PolicyFactory] = {
     "lru": LRUPolicy,
+    "fifo": FIFOPolicy,
+    "lfu": LFUPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "workload_aware": WorkloadAwarePolicy,
+    "workload_aware_exact": WorkloadAwareExactPolicy,
 }
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def make_policy(name: str, ctx: PolicyContext) -> EvictionPolicy:
     try:
         factory = POLICIES[name]
     except KeyError:
         raise PolicyError(f"unknown eviction policy {name!r}; known: {', '.join(sorted(POLICIES))}") from None
-    return factory()
+    return factory(ctx)
 
 
-__all__ = ["POLICIES", "EvictionPolicy", "LRUPolicy", "PolicyError", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "EvictionPolicy",
+    "FIFOPolicy",
+    "LFUPolicy",
+    "LRUPolicy",
+    "PolicyContext",
+    "PolicyError",
+    "PolicyFactory",
+    "S3FIFOPolicy",
+    "WorkloadAwareExactPolicy",
+    "WorkloadAwarePolicy",
+    "make_policy",
+]

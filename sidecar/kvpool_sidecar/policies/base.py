@@ -1,25 +1,50 @@
 """The protocol between the pool and an eviction policy.
 
-The pool owns page state; a policy only orders the *evictable* pages of one partition (cached, refcount
-0, not pinned) and names a victim. Every call is O(1) or amortised O(1) on the request path.
+The pool owns page state. A policy orders the *evictable* pages of one partition (cached, refcount 0,
+not pinned) and names a victim. Calls on the request path are O(1) or amortised O(1).
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Protocol
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpool_sidecar.config import KVCachePolicySpec
+from kvpool_sidecar.workload import ReuseModel
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What a policy may know of its pool: the spec, the shared reuse model, page keys, its partition."""
+
+    spec: KVCachePolicySpec
+    model: ReuseModel
+    key_of: Callable[[int], Hashable | None]
+    partition: str = "toC"
 
 
 class EvictionPolicy(Protocol):
     name: str
 
-    def insert(self, page: int, now: float, depth: int, klass: Hashable) -> None:
-        """``page`` became evictable at ``now``; ``depth`` is its index in the prompt, ``klass`` its class."""
+    def insert(self, pages: list[int], depths: list[int], now: float, klass: Hashable) -> None:
+        """``pages`` became evictable at ``now``, least valuable first (a prompt's tail before its head).
 
-    def remove(self, page: int, now: float, hit: bool) -> None:
-        """``page`` is no longer evictable: reused by a request (``hit``) or pinned."""
+        ``depths`` are their indexes in the prompt, ``klass`` the statistics class of the request that
+        released them (None when unknown, e.g. at unpin).
+        """
+
+    def take(self, page: int, now: float, hit: bool) -> None:
+        """``page`` stays cached but is no longer evictable: reused by a request (``hit``) or pinned."""
+
+    def evict(self, page: int) -> None:
+        """The pool dropped an evictable ``page`` itself (a descendant of a victim): forget it."""
 
     def victim(self, now: float) -> int:
-        """Remove and return the page to evict next; only called when ``len(self) > 0``."""
+        """Forget and return the page to evict next; only called when ``len(self) > 0``."""
+
+    def configure(self, spec: KVCachePolicySpec) -> None:
+        """New parameters on the live pool; nothing is re-inserted."""
 
     def __len__(self) -> int: ...
 
@@ -27,4 +52,4 @@ class EvictionPolicy(Protocol):
 
 
 class PolicyError(ValueError):
-    """An unknown policy name or bad policy parameter."""
+    """An unknown policy name or a bad policy parameter."""

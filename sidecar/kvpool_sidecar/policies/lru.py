@@ -3,24 +3,33 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable
+from collections.abc import Hashable
+
+from kvpool_sidecar.config import KVCachePolicySpec
+from kvpool_sidecar.policies.base import PolicyContext
 
 
 class LRUPolicy:
     name = "lru"
 
-    def __init__(self) -> None:
-        # Insertion order is recency order: a page re-enters at the tail when it is released again.
+    def __init__(self, ctx: PolicyContext | None = None) -> None:
+        # Insertion order is recency order: a page re-enters at the tail each time it is released.
         self._order: OrderedDict[int, None] = OrderedDict()
 
-    def insert(self, page: int, now: float, depth: int, klass: Hashable) -> None:
-        self._order[page] = None
+    def insert(self, pages: list[int], depths: list[int], now: float, klass: Hashable) -> None:
+        self._order.update(dict.fromkeys(pages))
 
-    def remove(self, page: int, now: float, hit: bool) -> None:
+    def take(self, page: int, now: float, hit: bool) -> None:
+        del self._order[page]
+
+    def evict(self, page: int) -> None:
         del self._order[page]
 
     def victim(self, now: float) -> int:
         return self._order.popitem(last=False)[0]
+
+    def configure(self, spec: KVCachePolicySpec) -> None:
+        pass
 
     def __len__(self) -> int:
         return len(self._order)

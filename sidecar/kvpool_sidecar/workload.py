@@ -1,0 +1,170 @@
+"""Reuse statistics per workload class: an online exponential reuse-time model with a never-reused mass.
+
+A page released at time 0 is reused at some later time with probability ``p`` (the rest are never
+reused: a single-turn chat, a one-off API call) and, if it is, after an exponential gap of rate
+``lam``. A pure exponential model says every page is reused eventually; the mass ``1 - p`` is what
+makes an old page worthless rather than merely "due". Given that a page has waited ``age`` seconds
+without reuse, the probability that it is reused within the next ``window`` seconds is
+
+    P = p * exp(-lam * age) * (1 - exp(-lam * window)) / (p * exp(-lam * age) + 1 - p)
+
+Both parameters are fitted online per class from decayed counters (so the fit follows a drifting
+workload) and shrunk towards the configured priors until ``minSamples`` reuses have been seen.
+Plain Python: no I/O, no clock of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from kvpool_sidecar.config import KVCachePolicySpec, parse_duration
+
+ClassKey = Hashable  # (workload class, request type, turn bucket) from the pool's WorkloadMeta
+PRIOR_REUSE_PROBABILITY = 0.5
+_MIN_P, _MAX_P = 0.01, 0.99
+_DRIFT_CHECK_EVERY = 64  # reuse observations between drift checks of a class
+
+
+@dataclass(slots=True)
+class ClassFit:
+    """Decayed sufficient statistics of one class."""
+
+    prior_rate: float  # reuses per second
+    releases: float = 0.0  # page releases (each could be followed by a reuse)
+    reuses: float = 0.0  # page reuses observed
+    gap_sum: float = 0.0  # seconds between a page's release and its reuse, summed
+    total_reuses: int = 0  # undecayed, for cold start and drift checks
+    reference_rate: float | None = None
+    since_check: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DriftEvent:
+    klass: ClassKey
+    reference_rate: float
+    fitted_rate: float
+    at: float
+    adopted: bool
+
+
+def workload_class_of(klass: ClassKey) -> str:
+    if isinstance(klass, tuple) and klass:
+        return str(klass[0])
+    return "toC"
+
+
+class ReuseModel:
+    """Per-class fits plus drift detection; the pool feeds it, policies and metrics read it."""
+
+    def __init__(self, spec: KVCachePolicySpec, *, half_life_events: float = 20_000.0) -> None:
+        self._fits: dict[ClassKey, ClassFit] = {}
+        # Counters decay per observed event, not per second: a busy pool adapts as fast as a quiet one
+        # in terms of evidence, and time never needs to be read here.
+        self._decay = 0.5 ** (1.0 / half_life_events)
+        self.drift_events: list[DriftEvent] = []
+        self.on_drift: Callable[[DriftEvent], None] | None = None
+        self.configure(spec)
+
+    def configure(self, spec: KVCachePolicySpec) -> None:
+        """Swap priors, windows and drift settings live; fitted statistics are kept."""
+        self._prior_rate = {
+            "toC": spec.workloads.toC.decayPerMinute / 60.0,
+            "toB": spec.workloads.toB.decayPerMinute / 60.0,
+        }
+        self.windows = {"toC": spec.workloads.toC.window_seconds, "toB": spec.workloads.toB.window_seconds}
+        self.min_samples = spec.learning.minSamples
+        self.cold_start_seconds = parse_duration(spec.learning.coldStartPeriod)
+        self.drift_threshold = spec.learning.driftThresholdPercent / 100.0
+        self.refit_on_drift = spec.learning.refitOnDrift
+        for klass, fit in self._fits.items():
+            fit.prior_rate = self._prior_for(klass)
+
+    def _prior_for(self, klass: ClassKey) -> float:
+        return self._prior_rate.get(workload_class_of(klass), self._prior_rate["toC"])
+
+    def window_of(self, klass: ClassKey) -> float:
+        return self.windows.get(workload_class_of(klass), self.windows["toC"])
+
+    def _fit(self, klass: ClassKey) -> ClassFit:
+        fit = self._fits.get(klass)
+        if fit is None:
+            fit = self._fits[klass] = ClassFit(self._prior_for(klass))
+        return fit
+
+    # ---------------------------------------------------------------------------- observations
+    def observe_release(self, klass: ClassKey, pages: int) -> None:
+        fit = self._fit(klass)
+        fit.releases = fit.releases * self._decay + pages
+
+    def observe_reuse(self, klass: ClassKey, pages: int, gap_sum: float, now: float) -> None:
+        """``pages`` cached pages were reused; ``gap_sum`` is their summed time since last release."""
+        if pages <= 0:
+            return
+        fit = self._fit(klass)
+        d = self._decay
+        fit.reuses = fit.reuses * d + pages
+        fit.gap_sum = fit.gap_sum * d + max(gap_sum, 0.0)
+        fit.total_reuses += pages
+        fit.since_check += pages
+        if fit.since_check >= _DRIFT_CHECK_EVERY and fit.total_reuses >= self.min_samples:
+            fit.since_check = 0
+            self._check_drift(klass, fit, now)
+
+    # --------------------------------------------------------------------------------- the fit
+    def _weight(self, fit: ClassFit) -> float:
+        """Pseudo-count of the prior: the fit takes over as reuses accumulate past ``minSamples``."""
+        return float(self.min_samples)
+
+    def rate(self, klass: ClassKey) -> float:
+        """Fitted reuse rate (per second): decayed MLE of the exponential, shrunk towards the prior."""
+        fit = self._fits.get(klass)
+        if fit is None:
+            return self._prior_for(klass)
+        k = self._weight(fit)
+        return (fit.reuses + k) / (fit.gap_sum + k / fit.prior_rate)
+
+    def reuse_probability(self, klass: ClassKey) -> float:
+        """Probability that a released page is ever reused (1 - the never-reused mass)."""
+        fit = self._fits.get(klass)
+        if fit is None:
+            return PRIOR_REUSE_PROBABILITY
+        k = self._weight(fit)
+        p = (fit.reuses + k * PRIOR_REUSE_PROBABILITY) / (fit.releases + k)
+        return min(max(p, _MIN_P), _MAX_P)
+
+    def p_reuse(self, klass: ClassKey, age: float, window: float | None = None) -> float:
+        """P(reused within the next ``window`` | not reused for ``age`` seconds)."""
+        lam = self.rate(klass)
+        p = self.reuse_probability(klass)
+        w = self.window_of(klass) if window is None else window
+        return p_reuse(p, lam, age, w)
+
+    def classes(self) -> dict[ClassKey, tuple[float, float, int]]:
+        """Per class: fitted rate (per minute), reuse probability, reuses observed."""
+        return {
+            k: (self.rate(k) * 60.0, self.reuse_probability(k), f.total_reuses) for k, f in self._fits.items()
+        }
+
+    # ------------------------------------------------------------------------------- drift
+    def _check_drift(self, klass: ClassKey, fit: ClassFit, now: float) -> None:
+        rate = self.rate(klass)
+        if fit.reference_rate is None:
+            fit.reference_rate = rate  # the end of this class's cold start
+            return
+        ref = fit.reference_rate
+        if abs(rate - ref) > self.drift_threshold * ref:
+            event = DriftEvent(klass, ref * 60.0, rate * 60.0, now, self.refit_on_drift)
+            if self.refit_on_drift:
+                fit.reference_rate = rate
+            self.drift_events.append(event)
+            del self.drift_events[:-100]
+            if self.on_drift is not None:
+                self.on_drift(event)
+
+
+def p_reuse(p: float, lam: float, age: float, window: float) -> float:
+    """The conditional reuse probability of the module docstring, for one page."""
+    survive = p * math.exp(-lam * age)
+    return survive * (1.0 - math.exp(-lam * window)) / (survive + 1.0 - p)

@@ -1,0 +1,117 @@
+from pathlib import Path
+
+import pytest
+from kvpool_sidecar.config import (
+    ConfigError,
+    KVCachePolicySpec,
+    load_config,
+    load_policy,
+    parse_config_text,
+    parse_duration,
+    spec_hash,
+)
+
+ISSUE_EXAMPLE = """
+apiVersion: kvpool.dev/v1alpha1
+kind: KVCachePolicy
+metadata: {name: chat, namespace: llm}
+spec:
+  selector: {matchLabels: {app: qwen-chat}}
+  pageSize: 16
+  eviction:
+    policy: workload_aware
+    weights: {reuse: 0.6, locality: 0.3, timeWindow: 0.1}
+    protectedPercent: 20
+  workloads:
+    toC: {timeWindow: 10m, decayPerMinute: 0.15}
+    toB: {timeWindow: 10s, decayPerMinute: 6.0, isolationPercent: 30}
+  pinning:
+    quotaPercent: 30
+    autoPin: {minPromptTokens: 1024, minPrefixQPS: 100}
+  tenancy: {isolation: perTenant, sharedPrefixes: []}
+  learning: {coldStartPeriod: 168h, driftThresholdPercent: 20, refitOnDrift: true}
+  preEviction: {enabled: true, lowWatermarkPercent: 10}
+"""
+
+
+def test_defaults_are_the_seeds():
+    spec = KVCachePolicySpec()
+    assert (spec.eviction.weights.reuse, spec.eviction.weights.locality, spec.eviction.weights.timeWindow) == (
+        0.6, 0.3, 0.1,
+    )
+    assert spec.workloads.toC.window_seconds == 600
+    assert spec.workloads.toB.window_seconds == 10
+    assert spec.workloads.toB.isolationPercent == 30
+    assert spec.pinning.quotaPercent == 30
+    assert spec.pinning.autoPin.minPromptTokens == 1024
+    assert spec.pinning.autoPin.minPrefixQPS == 100
+    assert parse_duration(spec.learning.coldStartPeriod) == 7 * 24 * 3600
+    assert spec.learning.driftThresholdPercent == 20
+    assert spec.pageSize == 16
+
+
+def test_issue_example_policy_loads_and_equals_defaults():
+    meta, spec = load_policy(ISSUE_EXAMPLE)
+    assert meta["name"] == "chat"
+    assert spec.selector.matchLabels == {"app": "qwen-chat"}
+    assert spec_hash(spec) == spec_hash(KVCachePolicySpec(selector={"matchLabels": {"app": "qwen-chat"}}))
+
+
+@pytest.mark.parametrize("text", ["", "{}\n", "# only a comment\n"])
+def test_empty_config_means_defaults(text, tmp_path: Path):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert load_config(path).spec() == KVCachePolicySpec()
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "rule"),
+    [
+        ("eviction: {weights: {reuse: 1.5}}", "eviction.weights.reuse", "less than or equal to 1"),
+        ("eviction: {weights: {reuse: 0, locality: 0, timeWindow: 0}}", "eviction.weights", "above 0"),
+        ("eviction: {policy: random}", "eviction.policy", "lru"),
+        ("eviction: {protectedPercent: 95}", "eviction.protectedPercent", "less than or equal to 90"),
+        ("pageSize: 0", "pageSize", "greater than or equal to 1"),
+        ("pageSize: sixteen", "pageSize", "integer"),
+        ("workloads: {toC: {timeWindow: 10 minutes}}", "workloads.toC.timeWindow", "pattern"),
+        ("workloads: {toB: {decayPerMinute: -1}}", "workloads.toB.decayPerMinute", "greater than 0"),
+        ("workloads: {toB: {isolationPercent: 101}}", "workloads.toB.isolationPercent", "less than or equal"),
+        ("workloads: {toB: {isolationPercent: 80}}", "", "isolationPercent + pinning.quotaPercent"),
+        ("pinning: {quotaPercent: -5}", "pinning.quotaPercent", "greater than or equal to 0"),
+        ("pinning: {autoPin: {minPromptTokens: 0}}", "pinning.autoPin.minPromptTokens", "greater than or equal"),
+        ("tenancy: {isolation: sometimes}", "tenancy.isolation", "perTenant"),
+        ("tenancy: {sharedPrefixes: [xyz]}", "tenancy.sharedPrefixes", "hex page digest"),
+        ("learning: {coldStartPeriod: 7d}", "learning.coldStartPeriod", "pattern"),
+        ("preEviction: {lowWatermarkPercent: 200}", "preEviction.lowWatermarkPercent", "less than or equal"),
+        ("evictoin: {policy: lru}", "evictoin", "unknown field"),
+        ("- a list", "", "must be a mapping"),
+        ("eviction: [", "", "not valid YAML"),
+    ],
+)
+def test_bad_config_names_field_and_rule(text, field, rule):
+    with pytest.raises(ConfigError) as err:
+        parse_config_text(text)
+    assert err.value.field == field
+    assert rule in str(err.value)
+    if field:
+        assert str(err.value).startswith(field + ":")
+
+
+def test_policy_manifest_errors_name_the_field():
+    with pytest.raises(ConfigError, match="^kind:"):
+        load_policy(ISSUE_EXAMPLE.replace("kind: KVCachePolicy", "kind: Other"))
+    with pytest.raises(ConfigError, match="^spec.pageSize:"):
+        load_policy(ISSUE_EXAMPLE.replace("pageSize: 16", "pageSize: -1"))
+
+
+def test_spec_hash_follows_values_not_spelling():
+    a = parse_config_text("eviction: {weights: {reuse: 0.5}}").spec()
+    b = parse_config_text("eviction:\n  weights:\n    reuse: 0.50\n").spec()
+    assert spec_hash(a) == spec_hash(b)
+    assert spec_hash(a) != spec_hash(KVCachePolicySpec())
+
+
+def test_source_rides_beside_the_spec():
+    cfg = parse_config_text("pageSize: 32\nsource: {name: chat, namespace: llm, generation: 3, hash: abc}\n")
+    assert cfg.source is not None and cfg.source.generation == 3
+    assert cfg.spec().pageSize == 32

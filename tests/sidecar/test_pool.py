@@ -1,0 +1,298 @@
+"""The pool's invariants (ARCHITECTURE.md), one behaviour per test."""
+
+from __future__ import annotations
+
+import pytest
+from kvpool_sidecar.config import KVCachePolicySpec
+from kvpool_sidecar.policies import LRUPolicy
+from kvpool_sidecar.pool import (
+    TO_B,
+    TO_C,
+    DuplicateSequence,
+    InvalidRequest,
+    PagePool,
+    PoolExhausted,
+    QuotaExceeded,
+    UnknownPin,
+    UnknownSequence,
+    WorkloadMeta,
+    first_page_digest,
+)
+
+PS = 4
+
+
+def make_pool(pages: int = 40, **spec: object) -> PagePool:
+    base: dict = {"pageSize": PS, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}}}
+    for key, value in spec.items():
+        base[key] = value
+    return PagePool(pages, KVCachePolicySpec.model_validate(base), clock=lambda: 0.0)
+
+
+def run(pool: PagePool, seq: str, tokens: list[int], meta: WorkloadMeta = WorkloadMeta()) -> int:
+    """Admit, compute, commit and release one request; returns its cached tokens."""
+    cached = pool.admit(seq, tokens, meta=meta).num_cached_tokens
+    pool.commit(seq, len(tokens))
+    pool.release(seq)
+    pool.check_invariants()
+    return cached
+
+
+def snapshot(pool: PagePool) -> tuple:
+    return (
+        pool.stats(),
+        list(pool._ref),
+        dict(pool._index),
+        list(pool._free),
+        list(pool._pins),
+        [list(p._order) for p in pool.policies],  # type: ignore[attr-defined]
+        sorted(pool.pins),
+    )
+
+
+def test_prefix_reuse_counts_full_pages_only():
+    pool = make_pool()
+    assert run(pool, "a", list(range(10))) == 0
+    # 10 tokens = 2 full pages + a partial page; the partial page is never shared.
+    assert run(pool, "b", list(range(10))) == 8
+    assert run(pool, "c", list(range(8)) + [77, 78]) == 8
+    assert run(pool, "d", [1, *range(1, 10)]) == 0
+    assert pool.lookup(list(range(12))) == 8
+
+
+def test_nothing_is_shared_before_commit():
+    pool = make_pool()
+    pool.admit("a", list(range(12)))
+    assert pool.lookup(list(range(12))) == 0
+    assert pool.admit("b", list(range(12))).num_cached_tokens == 0
+    pool.commit("a", 5)  # one full page written
+    assert pool.lookup(list(range(12))) == 4
+    pool.check_invariants()
+
+
+def test_no_leak_after_everything_is_released():
+    pool = make_pool()
+    for i in range(30):
+        run(pool, f"s{i}", [i % 3] * 6 + [i] * 7)
+    st = pool.stats()
+    assert st.sequences == 0 and st.in_use_pages == 0
+    assert st.free_pages + st.cached_pages == st.total_pages
+
+
+def test_tenants_never_hit_each_other_unless_the_prefix_is_shared():
+    system_prompt = [9, 9, 9, 9, 1, 2, 3, 4]
+    pool = make_pool()
+    assert run(pool, "a", system_prompt + [5], WorkloadMeta(tenant="acme")) == 0
+    assert run(pool, "b", system_prompt + [5], WorkloadMeta(tenant="globex")) == 0
+    assert run(pool, "c", system_prompt + [5], WorkloadMeta(tenant="acme")) == 8
+    shared = make_pool(tenancy={"sharedPrefixes": [first_page_digest(system_prompt, PS)]})
+    assert run(shared, "a", system_prompt + [5], WorkloadMeta(tenant="acme")) == 0
+    assert run(shared, "b", system_prompt + [6], WorkloadMeta(tenant="globex")) == 8
+
+
+def test_block_hash_input_is_isolated_per_tenant_and_partial_block_not_cached():
+    pool = make_pool()
+    pool.admit("a", block_hashes=[10, 11, 12], num_tokens=10)  # last block is partial
+    pool.commit("a", 10)
+    pool.release("a")
+    assert pool.lookup(block_hashes=[10, 11, 12], num_tokens=12) == 8
+    assert pool.lookup(block_hashes=[10, 11], meta=WorkloadMeta(tenant="other")) == 0
+    with pytest.raises(InvalidRequest, match="does not fit"):
+        pool.lookup(block_hashes=[10, 11], num_tokens=9)
+
+
+def test_eviction_takes_descendants_with_their_parent():
+    class RootFirst(LRUPolicy):
+        """Evicts the most recently inserted page: release inserts tails first, so that is a root."""
+
+        def victim(self, now: float) -> int:
+            return self._order.popitem(last=True)[0]
+
+    pool = PagePool(
+        6,
+        KVCachePolicySpec.model_validate({"pageSize": PS, "workloads": {"toB": {"isolationPercent": 0}}}),
+        policy_factory=RootFirst,
+        clock=lambda: 0.0,
+    )
+    run(pool, "a", list(range(12)))  # a 3-page chain
+    assert pool.stats().cached_pages == 3
+    pool.admit("b", [7] * 16)  # needs 4 pages: 3 free, so one eviction, which must take the whole chain
+    pool.check_invariants()
+    assert pool.lookup(list(range(12))) == 0
+    assert pool.stats().evictions == 3
+
+
+def test_pages_in_use_are_never_evicted_and_exhaustion_changes_nothing():
+    pool = make_pool(10, workloads={"toB": {"isolationPercent": 0}})
+    pool.admit("a", list(range(24)))  # 6 pages in use
+    run(pool, "b", [5] * 8)  # 2 cached pages
+    before = snapshot(pool)
+    with pytest.raises(PoolExhausted) as err:
+        pool.admit("c", [6] * 28)
+    assert (err.value.needed, err.value.evictable) == (7, 4)
+    assert snapshot(pool) == before
+    pool.check_invariants()
+    pool.admit("c", [6] * 16)  # fits by evicting the 2 cached pages, never a page of "a"
+    assert pool.sequence_pages("a") == list(range(6))
+    pool.check_invariants()
+
+
+def test_pin_protects_a_prefix_and_quota_is_enforced():
+    pool = make_pool(10, workloads={"toB": {"isolationPercent": 0}}, pinning={"quotaPercent": 20})
+    run(pool, "a", list(range(8)))
+    pin = pool.pin(list(range(8)))
+    assert len(pin.pages) == 2 and pool.stats().pinned_pages == 2
+    run(pool, "b", [1] * 8)
+    before = snapshot(pool)
+    with pytest.raises(QuotaExceeded, match="pin quota"):
+        pool.pin([1] * 8)
+    assert snapshot(pool) == before
+    # Churn through the whole pool: the pinned prefix survives.
+    for i in range(20):
+        run(pool, f"x{i}", [100 + i] * 16)
+    assert pool.lookup(list(range(8))) == 8
+    pool.unpin(pin.pin_id)
+    with pytest.raises(UnknownPin):
+        pool.unpin(pin.pin_id)
+    for i in range(20):
+        run(pool, f"y{i}", [200 + i] * 16)
+    assert pool.lookup(list(range(8))) == 0
+
+
+def test_ttl_pin_lapses_on_its_own():
+    now = [0.0]
+    pool = PagePool(
+        10,
+        KVCachePolicySpec.model_validate({"pageSize": PS, "eviction": {"policy": "lru"}}),
+        clock=lambda: now[0],
+    )
+    run(pool, "a", list(range(8)))
+    pool.pin(list(range(8)), ttl=5.0)
+    now[0] = 4.0
+    pool.admit("b", [1] * 4)
+    assert pool.stats().pins == 1
+    now[0] = 6.0
+    pool.admit("c", [2] * 4)
+    assert pool.stats().pins == 0 and pool.stats().pinned_pages == 0
+    pool.check_invariants()
+
+
+def test_pin_by_sequence_and_errors():
+    pool = make_pool()
+    pool.admit("a", list(range(10)))
+    with pytest.raises(InvalidRequest, match="nothing"):
+        pool.pin(seq_id="a")  # nothing committed yet
+    pool.commit("a", 10)
+    assert len(pool.pin(seq_id="a").pages) == 2
+    with pytest.raises(UnknownSequence):
+        pool.pin(seq_id="zzz")
+    pool.release("a")
+    pool.check_invariants()
+
+
+def test_auto_pin_long_prompts_for_their_class_window():
+    now = [0.0]
+    pool = PagePool(
+        40,
+        KVCachePolicySpec.model_validate(
+            {"pageSize": PS, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"minPromptTokens": 12}}}
+        ),
+        clock=lambda: now[0],
+    )
+    run(pool, "short", [3] * 8)
+    assert pool.stats().pins == 0
+    run(pool, "long", list(range(12)), WorkloadMeta(workload_class=TO_B))
+    assert pool.stats().pins == 1 and pool.autopins == 1
+    now[0] = 11.0  # past the to-B window of 10 s
+    pool.admit("z", [1] * 4)
+    assert pool.stats().pins == 0
+
+
+def test_to_b_churn_never_evicts_to_c_pages():
+    pool = make_pool(20, workloads={"toB": {"isolationPercent": 30}})  # 6 to-B pages, 14 to-C
+    run(pool, "chat", list(range(16)))  # 4 to-C pages
+    for i in range(50):
+        run(pool, f"api{i}", [1000 + i] * 12, WorkloadMeta(workload_class=TO_B))
+    assert pool.lookup(list(range(16))) == 16
+    st = pool.stats()
+    assert st.partitions[TO_B].owned <= 6 and st.partitions[TO_C].owned == 4
+    with pytest.raises(PoolExhausted, match="toB"):
+        pool.admit("big", [5] * 28, meta=WorkloadMeta(workload_class=TO_B))
+    # ...and to-C churn never evicts to-B pages.
+    run(pool, "api-last", [7] * 8, WorkloadMeta(workload_class=TO_B))
+    for i in range(30):
+        run(pool, f"chat{i}", [2000 + i] * 16)
+    assert pool.lookup([7] * 8, meta=WorkloadMeta(workload_class=TO_B)) == 8
+
+
+def test_fork_shares_full_pages_and_copies_the_partial_one():
+    pool = make_pool()
+    adm = pool.admit("a", list(range(10)))
+    pool.commit("a", 10)
+    forked = pool.fork("a", "b")
+    assert forked.page_ids[:2] == adm.page_ids[:2]
+    assert forked.copy_src == adm.page_ids[2] and forked.copy_dst not in adm.page_ids
+    pool.check_invariants()
+    new = pool.append("b", 3)  # 13 tokens: crosses into a 4th page
+    assert len(new) == 1 and len(pool.sequence_pages("b")) == 4
+    assert pool.append("a", 2) == []
+    pool.release("a")
+    pool.release("b")
+    pool.check_invariants()
+    with pytest.raises(DuplicateSequence):
+        pool.admit("c", [1]) and pool.fork("c", "c")
+
+
+def test_fragmentation_accounting():
+    pool = make_pool()
+    pool.admit("a", list(range(10)))  # 3 pages = 12 slots for 10 tokens
+    assert pool.stats().fragmentation_tokens == 2
+    pool.append("a", 1)
+    assert pool.stats().fragmentation_tokens == 1
+    pool.release("a")
+    assert pool.stats().fragmentation_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "field"),
+    [
+        (lambda p: p.admit("a", [1, 2]), DuplicateSequence, "seq_id"),
+        (lambda p: p.admit("n", []), InvalidRequest, "tokens"),
+        (lambda p: p.admit("n", [1, -1, "x"]), InvalidRequest, "tokens"),
+        (lambda p: p.admit("n", [1], block_hashes=[1]), InvalidRequest, "tokens"),
+        (lambda p: p.admit("n", block_hashes=[[1]]), InvalidRequest, "block_hashes"),
+        (lambda p: p.commit("a", 99), InvalidRequest, "num_computed_tokens"),
+        (lambda p: p.commit("zz", 1), UnknownSequence, "seq_id"),
+        (lambda p: p.append("a", -1), InvalidRequest, "num_new_tokens"),
+        (lambda p: p.release("zz"), UnknownSequence, "seq_id"),
+        (lambda p: p.fork("a", "a"), DuplicateSequence, "new_seq_id"),
+        (lambda p: p.pin([1, 2, 3, 4], ttl=-1), InvalidRequest, "ttl"),
+        (lambda p: p.admit("n", list(range(4 * 41))), PoolExhausted, ""),
+    ],
+)
+def test_bad_calls_raise_typed_errors_and_change_nothing(call, error, field):
+    pool = make_pool()
+    pool.admit("a", list(range(6)))
+    pool.commit("a", 4)
+    before = snapshot(pool)
+    with pytest.raises(error) as err:
+        call(pool)
+    assert err.value.field == field
+    assert snapshot(pool) == before
+    pool.check_invariants()
+
+
+def test_live_reconfigure_keeps_pages_and_refuses_page_size_change():
+    pool = make_pool(20)
+    run(pool, "a", list(range(16)))
+    with pytest.raises(InvalidRequest, match="restart"):
+        pool.reconfigure(KVCachePolicySpec(pageSize=8))
+    pool.reconfigure(
+        KVCachePolicySpec.model_validate({"pageSize": PS, "workloads": {"toB": {"isolationPercent": 90}},
+                                          "pinning": {"quotaPercent": 5}})
+    )
+    assert pool.lookup(list(range(16))) == 16
+    # to-C is now over its share: it shrinks by evicting its own pages as it allocates.
+    run(pool, "b", [5] * 8)
+    assert pool.stats().partitions[TO_C].owned <= 4
+    pool.check_invariants()

@@ -1,0 +1,193 @@
+"""Random interleavings of every pool operation across two tenants and two classes.
+
+A reference model tracks, by content, which prefixes were published and by which physical page, so
+that while nothing has been evicted the pool's hit counts must match the model exactly; once
+evictions happen they can only be lower.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kvpool_sidecar.config import KVCachePolicySpec
+from kvpool_sidecar.pool import (
+    TO_B,
+    TO_C,
+    PagePool,
+    PoolExhausted,
+    QuotaExceeded,
+    WorkloadMeta,
+    first_page_digest,
+)
+
+PS = 2
+BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 20, 21, 22, 23], [30, 31, 32, 33, 34, 35, 36]]
+SHARED_FIRST = first_page_digest(BASES[2], PS)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    pages = 60
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        spec = KVCachePolicySpec.model_validate(
+            {
+                "pageSize": PS,
+                "eviction": {"policy": "lru"},
+                "workloads": {"toB": {"isolationPercent": 30}},
+                "pinning": {"quotaPercent": 20, "autoPin": {"enabled": False}},
+                "tenancy": {"sharedPrefixes": [SHARED_FIRST]},
+            }
+        )
+        self.pool = PagePool(self.pages, spec, clock=lambda: self.now)
+        self.ids = itertools.count()
+        # model: content scope -> published prefix (tuple) -> page identity
+        self.published: dict[tuple, object] = {}
+        self.ever: set[tuple] = set()
+        self.seqs: dict[str, dict] = {}
+        self.pins: list[str] = []
+
+    @initialize()
+    def start(self) -> None:
+        pass
+
+    def scope(self, tokens: list[int], tenant: str) -> str:
+        return "shared" if first_page_digest(tokens, PS) == SHARED_FIRST else tenant
+
+    def prefixes(self, tokens: list[int], tenant: str) -> list[tuple]:
+        scope = self.scope(tokens, tenant)
+        return [(scope, tuple(tokens[: PS * (i + 1)])) for i in range(len(tokens) // PS)]
+
+    @rule(
+        base=st.sampled_from(BASES),
+        cut=st.integers(0, 10),
+        suffix=st.lists(st.integers(0, 3), max_size=5),
+        tenant=st.sampled_from(["acme", "globex"]),
+        klass=st.sampled_from([TO_C, TO_B]),
+    )
+    @precondition(lambda self: len(self.seqs) < 8)
+    def admit(self, base: list[int], cut: int, suffix: list[int], tenant: str, klass: str) -> None:
+        tokens = base[:cut] + suffix or [0]
+        seq_id = f"s{next(self.ids)}"
+        prefixes = self.prefixes(tokens, tenant)
+        try:
+            adm = self.pool.admit(seq_id, tokens, meta=WorkloadMeta(workload_class=klass, tenant=tenant))
+        except PoolExhausted:
+            return
+        hits = 0
+        for p in prefixes:
+            if p not in self.published:
+                break
+            hits += 1
+        if self.pool.evictions == 0:
+            assert adm.num_cached_tokens == hits * PS
+        else:
+            upper = 0
+            for p in prefixes:
+                if p not in self.ever:
+                    break
+                upper += 1
+            assert adm.num_cached_tokens <= upper * PS
+        idents = [self.published.get(p) for p in prefixes[: adm.num_cached_tokens // PS]]
+        idents += [object() for _ in range(len(adm.page_ids) - len(idents))]
+        self.seqs[seq_id] = {"tokens": tokens, "prefixes": prefixes, "idents": idents, "done": 0,
+                             "computed": adm.num_cached_tokens, "blocked": False, "len": len(tokens)}
+
+    @rule(data=st.data())
+    @precondition(lambda self: bool(self.seqs))
+    def commit(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        s = self.seqs[seq_id]
+        upto = data.draw(st.integers(s["computed"], s["len"]))
+        self.pool.commit(seq_id, upto)
+        s["computed"] = upto
+        for i in range(s["done"], min(upto // PS, len(s["prefixes"]))):
+            if s["blocked"]:
+                break
+            p = s["prefixes"][i]
+            if p in self.published and self.published[p] is not s["idents"][i]:
+                s["blocked"] = True
+                break
+            self.published[p] = s["idents"][i]
+            self.ever.add(p)
+            s["done"] = i + 1
+
+    @rule(data=st.data(), n=st.integers(0, 5))
+    @precondition(lambda self: bool(self.seqs))
+    def append(self, data: st.DataObject, n: int) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        try:
+            new = self.pool.append(seq_id, n)
+        except PoolExhausted:
+            return
+        s = self.seqs[seq_id]
+        s["len"] += n
+        s["idents"] += [object() for _ in new]
+
+    @rule(data=st.data())
+    @precondition(lambda self: bool(self.seqs) and len(self.seqs) < 8)
+    def fork(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        child = f"s{next(self.ids)}"
+        try:
+            res = self.pool.fork(seq_id, child)
+        except PoolExhausted:
+            return
+        s = self.seqs[seq_id]
+        full = s["len"] // PS
+        idents = s["idents"][:full] + ([object()] if len(res.page_ids) > full else [])
+        self.seqs[child] = {**s, "idents": idents, "done": min(s["done"], full)}
+
+    @rule(data=st.data())
+    @precondition(lambda self: bool(self.seqs))
+    def release(self, data: st.DataObject) -> None:
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.pool.release(seq_id)
+        del self.seqs[seq_id]
+
+    @rule(base=st.sampled_from(BASES), cut=st.integers(2, 10), tenant=st.sampled_from(["acme", "globex"]),
+          ttl=st.none() | st.floats(0.5, 5))
+    def pin(self, base: list[int], cut: int, tenant: str, ttl: float | None) -> None:
+        try:
+            pin = self.pool.pin(base[:cut], meta=WorkloadMeta(tenant=tenant), ttl=ttl)
+        except QuotaExceeded:
+            assert self.pool.stats().pinned_pages > 0
+            return
+        except Exception as exc:  # nothing cached is a clean InvalidRequest
+            assert "nothing" in str(exc)
+            return
+        self.pins.append(pin.pin_id)
+
+    @rule(data=st.data())
+    @precondition(lambda self: bool(self.pins))
+    def unpin(self, data: st.DataObject) -> None:
+        pin_id = data.draw(st.sampled_from(self.pins))
+        self.pins.remove(pin_id)
+        if pin_id in self.pool.pins:
+            self.pool.unpin(pin_id)
+
+    @rule(dt=st.floats(0.1, 3))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        self.pool.check_invariants()
+
+
+class RoomyPool(PoolMachine):
+    pages = 2000
+
+
+TestTightPool = PoolMachine.TestCase
+TestTightPool.settings = settings(
+    max_examples=40, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
+)
+TestRoomyPool = RoomyPool.TestCase
+TestRoomyPool.settings = settings(
+    max_examples=20, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
+)
