@@ -303,7 +303,8 @@ class PagePool:
                     (p for p in range(self.total_pages) if p in self._policies[part]), key=self._last.__getitem__
                 )
                 for page in pages:
-                    policy.insert([page], [self._depth(page)], self._last[page], None)
+                    depth = self._depth(page)
+                    policy.insert([page], [depth], depth + 1, self._last[page], None)
             self._policies = fresh
         self.model.configure(spec)
         for policy in self._policies:
@@ -702,12 +703,12 @@ class PagePool:
                         batch.append(page)
                         depths.append(depth)
                     else:  # a hit on another partition's page goes back to that partition
-                        policies[part[page]].insert([page], [depth], now, klass)
+                        policies[part[page]].insert([page], [depth], seq.published, now, klass)
             else:
                 self._owned[part[page]] -= 1
                 self._free.append(page)
         if batch:
-            policies[home].insert(batch, depths, now, klass)
+            policies[home].insert(batch, depths, seq.published, now, klass)
             self.model.observe_release(klass, len(batch))
         self._alloc_slots -= len(pages) * self.page_size
         self._used_slots -= seq.num_tokens
@@ -784,7 +785,8 @@ class PagePool:
             if self._pins[page] == 0:
                 self._pinned_pages -= 1
                 if self._ref[page] == 0:
-                    self._policies[self._part[page]].insert([page], [self._depth(page)], now, None)
+                    depth = self._depth(page)
+                    self._policies[self._part[page]].insert([page], [depth], depth + 1, now, None)
 
     def _depth(self, page: int) -> int:
         depth = 0

@@ -27,11 +27,11 @@ class PolicyContext:
 class EvictionPolicy(Protocol):
     name: str
 
-    def insert(self, pages: list[int], depths: list[int], now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
         """``pages`` became evictable at ``now``, least valuable first (a prompt's tail before its head).
 
-        ``depths`` are their indexes in the prompt, ``klass`` the statistics class of the request that
-        released them (None when unknown, e.g. at unpin).
+        ``depths`` are their indexes in a prompt of ``length`` cached pages, ``klass`` the statistics
+        class of the request that released them (None when unknown, e.g. at unpin).
         """
 
     def take(self, page: int, now: float, hit: bool) -> None:

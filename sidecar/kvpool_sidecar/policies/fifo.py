@@ -20,7 +20,7 @@ class FIFOPolicy:
         self._queue: OrderedDict[int, None] = OrderedDict()
         self._held: set[int] = set()
 
-    def insert(self, pages: list[int], depths: list[int], now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
         held = self._held
         queue = self._queue
         for page in pages:
@@ -75,7 +75,7 @@ class S3FIFOPolicy:
         self._freq: dict[int, int] = {}
         self._held: set[int] = set()
 
-    def insert(self, pages: list[int], depths: list[int], now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
         for page in pages:
             if page in self._freq:
                 self._held.discard(page)

@@ -16,7 +16,7 @@ class LRUPolicy:
         # Insertion order is recency order: a page re-enters at the tail each time it is released.
         self._order: OrderedDict[int, None] = OrderedDict()
 
-    def insert(self, pages: list[int], depths: list[int], now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
         self._order.update(dict.fromkeys(pages))
 
     def take(self, page: int, now: float, hit: bool) -> None:

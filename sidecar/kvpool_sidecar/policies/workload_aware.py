@@ -17,8 +17,12 @@ pages (``protectedPercent``) is kept in a protected segment, evicted from only w
 left.
 
 ``workload_aware_exact`` evaluates the full score, at eviction time, of every candidate that can be
-the minimum. Within one (class, depth) group the score never rises with age, so the oldest page of
-each group is the only candidate in it: scanning the group heads is an exact arg-min over all pages.
+the minimum. Within one (class, locality level) group the rank never improves with age, so the oldest
+page of each group is the only candidate in it: scanning the group heads is an exact arg-min over all
+pages.
+
+Both rank pages by (expired, score): a page past its class's window goes before any page inside it,
+whatever its score (a stale system prompt must not outlive a fresh conversation).
 """
 
 from __future__ import annotations
@@ -31,17 +35,28 @@ from collections.abc import Hashable
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies.base import PolicyContext
-from kvpool_sidecar.workload import ReuseModel
+from kvpool_sidecar.workload import ReuseModel, p_reuse
 
 BUCKETS_PER_WINDOW = 8
 MERGE_BELOW = 64  # live pages under which the oldest bucket is merged into the next
-LOCALITY_HALF_DEPTH = 4.0  # S_locality halves every this many pages into the prompt
+LOCALITY_LEVELS = 16  # S_locality is quantised so that the exact variant has few (class, level) groups
 _HIST_BINS = 64
 _THRESHOLD_EVERY = 256
 
 
-def locality(depth: int) -> float:
-    return 1.0 / (1.0 + depth / LOCALITY_HALF_DEPTH)
+def locality_level(depth: int, length: int) -> int:
+    """How far from its prompt's tail a page is, in 1/16ths: the first page is 16, the last 1 or more.
+
+    Relative rather than absolute: what is worth keeping of a prompt is its head, and the tails of
+    all prompts compete on their reuse probability alone.
+    """
+    if depth >= length:
+        return 1
+    return LOCALITY_LEVELS - (depth * LOCALITY_LEVELS) // length
+
+
+def locality(level: int) -> float:
+    return level / LOCALITY_LEVELS
 
 
 class _Scoring:
@@ -59,12 +74,16 @@ class _Scoring:
         window = spec.workloads.toB.window_seconds if self.partition == "toB" else spec.workloads.toC.window_seconds
         self.bucket_width = window / BUCKETS_PER_WINDOW
 
-    def score(self, klass: Hashable, depth: int, age: float) -> float:
+    def score(self, klass: Hashable, level: int, age: float) -> float:
         model = self.model
         window = model.window_of(klass)
         t_window = 1.0 if age <= window else 0.0
         p = model.p_reuse(klass, age, window)
-        return self.alpha * p + self.beta * locality(depth) + self.gamma * t_window
+        return self.alpha * p + self.beta * locality(level) + self.gamma * t_window
+
+    def rank(self, klass: Hashable, level: int, age: float) -> tuple[bool, float]:
+        """Eviction order: expired pages first (whatever their score), then the lowest score."""
+        return (age <= self.model.window_of(klass), self.score(klass, level, age))
 
 
 class _ClassQueue:
@@ -123,8 +142,8 @@ class _ClassQueue:
         return entry
 
 
-# Entry fields: [score at release, tiebreak, page (-1 when deleted), bucket id, class, released at, depth]
-_PAGE, _BID, _KLASS, _RELEASED, _DEPTH = 2, 3, 4, 5, 6
+# Entry fields: [score at release, tiebreak, page (-1 when deleted), bucket id, class, released at, level]
+_PAGE, _BID, _KLASS, _RELEASED, _LEVEL = 2, 3, 4, 5, 6
 
 
 class WorkloadAwarePolicy(_Scoring):
@@ -136,6 +155,10 @@ class WorkloadAwarePolicy(_Scoring):
         self._entry: dict[int, list] = {}  # evictable page -> its entry
         self._protected: OrderedDict[int, list] = OrderedDict()  # page -> entry, oldest first
         self._tiebreak = 0
+        self._cands: dict[Hashable, tuple] = {}  # class -> its eviction candidate, ranked at _cands_now
+        self._cands_now = math.nan
+        self._params: dict[Hashable, tuple[float, float, float]] = {}  # class -> (p, rate, window) at _cands_now
+        self._dirty: set[Hashable] = set()  # classes whose candidate may have changed
         self._hist = [0.0] * _HIST_BINS
         self._threshold = math.inf
         self._since_threshold = 0
@@ -150,18 +173,25 @@ class WorkloadAwarePolicy(_Scoring):
             queue = self._queues[klass] = _ClassQueue()
         return queue
 
-    def insert(self, pages: list[int], depths: list[int], now: float, klass: Hashable) -> None:
+    def _push(self, entry: list) -> None:
+        klass = entry[_KLASS]
+        self._queue(klass).push(entry)
+        self._dirty.add(klass)
+
+    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
         base = self.alpha * self.model.p_reuse(klass, 0.0) + self.gamma
-        beta = self.beta
+        beta = self.beta / LOCALITY_LEVELS
         bid = int(now // self.bucket_width)
         threshold = self._threshold
         entries = self._entry
         protected = self._protected
         queue = self._queue(klass)
-        for page, depth in zip(pages, depths):
-            score = base + beta / (1.0 + depth / LOCALITY_HALF_DEPTH)
+        self._dirty.add(klass)
+        for page, depth in zip(pages, depths, strict=True):
+            level = locality_level(depth, length)
+            score = base + beta * level
             self._tiebreak += 1
-            entry = [score, self._tiebreak, page, bid, klass, now, depth]
+            entry = [score, self._tiebreak, page, bid, klass, now, level]
             entries[page] = entry
             self._note_score(score)
             if score >= threshold:
@@ -171,7 +201,7 @@ class WorkloadAwarePolicy(_Scoring):
         limit = self.protected_share * len(entries)
         while len(protected) > limit:
             _, entry = protected.popitem(last=False)
-            self._queue(entry[_KLASS]).push(entry)
+            self._push(entry)
 
     def _note_score(self, score: float) -> None:
         top = self._top
@@ -202,27 +232,66 @@ class WorkloadAwarePolicy(_Scoring):
         if self._protected.pop(page, None) is not None:
             return
         entry[_PAGE] = -1  # lazy deletion from its heap
-        self._queues[entry[_KLASS]].discard(entry[_BID])
+        klass = entry[_KLASS]
+        self._queues[klass].discard(entry[_BID])
+        self._dirty.add(klass)
+
+    def _candidate(self, queue: _ClassQueue, now: float) -> tuple:
+        entry = queue.front()
+        klass = entry[_KLASS]
+        params = self._params.get(klass)
+        if params is None:
+            model = self.model
+            window = model.window_of(klass)
+            params = self._params[klass] = (model.reuse_probability(klass), model.rate(klass), window)
+        p, lam, window = params
+        age = now - entry[_RELEASED]
+        fresh = age <= window
+        score = self.alpha * p_reuse(p, lam, age, window) + self.beta * entry[_LEVEL] / LOCALITY_LEVELS
+        if fresh:
+            score += self.gamma
+        return (fresh, score, entry[_RELEASED], entry[1], entry)
 
     def victim(self, now: float) -> int:
-        best: list | None = None
-        best_score = math.inf
-        best_queue: _ClassQueue | None = None
-        for queue in self._queues.values():
-            if not queue.order:
-                continue
-            entry = queue.front()
-            score = self.score(entry[_KLASS], entry[_DEPTH], now - entry[_RELEASED])
-            if score < best_score or (score == best_score and best is not None and entry[_RELEASED] < best[_RELEASED]):
-                best, best_score, best_queue = entry, score, queue
-        if best_queue is not None:
-            best_queue.pop_front()
-            page = best[_PAGE]  # type: ignore[index]
-            del self._entry[page]
-            return page
-        page, _ = self._protected.popitem(last=False)
+        queues = self._queues
+        cands = self._cands
+        if now != self._cands_now:
+            # Ranks hold while ``now`` does (the model's fit moves between requests, not within one):
+            # re-rank everything once per new ``now``, then only the classes touched since.
+            self._cands_now = now
+            self._params.clear()
+            cands.clear()
+            self._expire_protection(now)
+            self._dirty = set(queues)
+        for klass in self._dirty:
+            queue = queues.get(klass)
+            if queue is not None and queue.order:
+                cands[klass] = self._candidate(queue, now)
+            else:
+                cands.pop(klass, None)
+        self._dirty.clear()
+        if cands:
+            entry = min(cands.values())[-1]  # one candidate per class: the top of its oldest bucket
+            klass = entry[_KLASS]
+            queues[klass].pop_front()
+            self._dirty.add(klass)
+        else:
+            _, entry = self._protected.popitem(last=False)
+        page = entry[_PAGE]
         del self._entry[page]
         return page
+
+    def _expire_protection(self, now: float) -> None:
+        """Protection lasts while a page's current score stays in the top share (and inside its class's
+        window): a page that was valuable when released but was not reused competes again."""
+        protected = self._protected
+        while protected:
+            entry = next(iter(protected.values()))
+            fresh, score = self.rank(entry[_KLASS], entry[_LEVEL], now - entry[_RELEASED])
+            if fresh and score >= self._threshold:
+                break
+            del protected[entry[_PAGE]]
+            self._push(entry)
 
     def __len__(self) -> int:
         return len(self._entry)
@@ -236,13 +305,13 @@ class WorkloadAwareExactPolicy(_Scoring):
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        # (class, depth) -> page -> release time, oldest first
+        # (class, locality level) -> page -> release time, oldest first
         self._groups: dict[tuple[Hashable, int], OrderedDict[int, float]] = {}
         self._group_of: dict[int, tuple[Hashable, int]] = {}
 
-    def insert(self, pages: list[int], depths: list[int], now: float, klass: Hashable) -> None:
-        for page, depth in zip(pages, depths):
-            group = (klass, depth)
+    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
+        for page, depth in zip(pages, depths, strict=True):
+            group = (klass, locality_level(depth, length))
             members = self._groups.get(group)
             if members is None:
                 members = self._groups[group] = OrderedDict()
@@ -264,10 +333,10 @@ class WorkloadAwareExactPolicy(_Scoring):
 
     def victim(self, now: float) -> int:
         best_page = -1
-        best = (math.inf, math.inf)
-        for (klass, depth), members in self._groups.items():
+        best = (True, math.inf, math.inf)
+        for (klass, level), members in self._groups.items():
             page, released = next(iter(members.items()))
-            key = (self.score(klass, depth, now - released), released)  # ties: the older page
+            key = (*self.rank(klass, level, now - released), released)  # ties: the older page
             if key < best:
                 best, best_page = key, page
         self._forget(best_page)

@@ -1,0 +1,131 @@
+"""``kvpool-sidecar``: the command line (replay, synth, tune)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, load_config
+from kvpool_sidecar.policies import POLICIES
+from kvpool_sidecar.replay import REFERENCE_POLICIES, TraceError, read_trace, run_matrix
+from kvpool_sidecar.replay import report, synth, tune
+
+EXIT_USAGE = 2
+
+
+def _capacity(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be above 0 (at most 1: a fraction of distinct blocks; above: pages)")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _spec(path: str | None) -> KVCachePolicySpec | None:
+    return load_config(path).spec() if path else None
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    trace = read_trace(args.trace)
+    spec = _spec(args.config)
+    pool_runs = sum(1 for p in args.policy if p not in REFERENCE_POLICIES) * len(args.capacity)
+    update, close = report.progress_bar(pool_runs * len(trace.requests), not args.no_progress)
+    try:
+        results = list(run_matrix(trace, args.policy, args.capacity, spec, update))
+    finally:
+        close()
+    formatter = {"table": report.format_table, "json": report.format_json, "csv": report.format_csv}[args.format]
+    print(formatter(results))
+    if args.plot:
+        report.plot(results, args.plot, f"{trace.name}: token hit ratio")
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    out = Path(args.output)
+    with out.open("w") as fh:
+        n = synth.write(args.profile, args.requests, args.seed, fh)
+    print(f"wrote {n} {args.profile} requests to {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    trace = read_trace(args.trace)
+    spec = _spec(args.config)
+    print(f"{'reuse':>6}{'locality':>9}{'window':>8}{'token hit':>11}")
+
+    def show(row: tune.TuneRow) -> None:
+        print(f"{row.reuse:>6.2f}{row.locality:>9.2f}{row.timeWindow:>8.2f}{row.token_hit_ratio:>11.4f}", flush=True)
+
+    rows = tune.grid_search(trace, args.capacity, spec, on_row=show)
+    best = rows[0]
+    print(
+        f"best at capacity {args.capacity}: weights reuse={best.reuse} locality={best.locality} "
+        f"timeWindow={best.timeWindow} (token hit ratio {best.token_hit_ratio:.4f})"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool-sidecar", description="kvpool sidecar: the per-pod KV page pool")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    replay = sub.add_parser("replay", help="replay a trace through the real pool, per policy and capacity")
+    replay.add_argument("trace", help="Mooncake or Bailian JSONL trace")
+    replay.add_argument(
+        "--policy", action="append", choices=[*POLICIES, *REFERENCE_POLICIES], help="repeatable; default lru"
+    )
+    replay.add_argument("--capacity", action="append", type=_capacity, help="<=1: fraction of distinct blocks; "
+                        ">1: pages; repeatable; default 0.05")
+    replay.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    replay.add_argument("--plot", help="write a hit-ratio-vs-capacity PNG here")
+    replay.add_argument("--config", help="sidecar config / policy spec YAML for weights, windows...")
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    replay.set_defaults(func=cmd_replay)
+
+    syn = sub.add_parser("synth", help="generate a Bailian-format trace")
+    syn.add_argument("--profile", choices=synth.PROFILES, required=True)
+    syn.add_argument("--requests", type=_positive_int, default=10_000)
+    syn.add_argument("--seed", type=int, default=0)
+    syn.add_argument("-o", "--output", required=True)
+    syn.set_defaults(func=cmd_synth)
+
+    tun = sub.add_parser("tune", help="grid-search the workload-aware weights on a trace")
+    tun.add_argument("trace")
+    tun.add_argument("--capacity", type=_capacity, default=0.05)
+    tun.add_argument("--config", help="base sidecar config / policy spec YAML")
+    tun.set_defaults(func=cmd_tune)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "replay":
+        args.policy = args.policy or ["lru"]
+        args.capacity = args.capacity or [0.05]
+    try:
+        return args.func(args)
+    except (TraceError, ConfigError, OSError, ValueError) as exc:
+        print(f"kvpool-sidecar {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

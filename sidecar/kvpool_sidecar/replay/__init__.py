@@ -1,0 +1,27 @@
+"""Trace replay: production traces through the real pool, the project's performance record."""
+
+from kvpool_sidecar.replay.run import (
+    REFERENCE_POLICIES,
+    ReplayResult,
+    capacity_pages,
+    replay_pool,
+    replay_reference,
+    replay_spec,
+    run_matrix,
+)
+from kvpool_sidecar.replay.trace import Request, Trace, TraceError, parse_lines, read_trace
+
+__all__ = [
+    "REFERENCE_POLICIES",
+    "ReplayResult",
+    "Request",
+    "Trace",
+    "TraceError",
+    "capacity_pages",
+    "parse_lines",
+    "read_trace",
+    "replay_pool",
+    "replay_reference",
+    "replay_spec",
+    "run_matrix",
+]

@@ -1,0 +1,80 @@
+"""Replay results as a table, CSV, JSON Lines or a plot; a progress bar for long runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from kvpool_sidecar.replay.run import ReplayResult
+
+COLUMNS = ("policy", "capacity_fraction", "capacity_pages", "token_hit_ratio", "block_hit_ratio", "evictions",
+           "seconds")
+
+
+def format_table(results: list[ReplayResult]) -> str:
+    header = f"{'policy':<22}{'capacity':>9}{'pages':>9}{'token hit':>11}{'block hit':>11}{'evictions':>11}{'s':>8}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        label = r.policy + (" (oracle)" if r.policy == "belady" else "")
+        lines.append(
+            f"{label:<22}{r.capacity_fraction:>9.2%}{r.capacity_pages:>9}{r.token_hit_ratio:>11.4f}"
+            f"{r.block_hit_ratio:>11.4f}{r.evictions:>11}{r.seconds:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def format_csv(results: list[ReplayResult]) -> str:
+    lines = [",".join(COLUMNS)]
+    for r in results:
+        row = r.row()
+        lines.append(",".join(str(row[c]) for c in COLUMNS))
+    return "\n".join(lines)
+
+
+def format_json(results: list[ReplayResult]) -> str:
+    return "\n".join(json.dumps(r.row()) for r in results)
+
+
+def plot(results: list[ReplayResult], path: str | Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'kvpool[plot]'") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    by_policy: dict[str, list[ReplayResult]] = {}
+    for r in results:
+        if r.policy != "infinite":
+            by_policy.setdefault(r.policy, []).append(r)
+    for policy, rows in by_policy.items():
+        rows.sort(key=lambda r: r.capacity_fraction)
+        style = "--" if policy == "belady" else "-"
+        label = f"{policy} (offline oracle)" if policy == "belady" else policy
+        ax.plot([r.capacity_fraction * 100 for r in rows], [r.token_hit_ratio for r in rows], style,
+                marker="o", label=label)
+    for r in results:
+        if r.policy == "infinite":
+            ax.axhline(r.token_hit_ratio, color="grey", linestyle=":", label="infinite cache")
+            break
+    ax.set_xlabel("capacity (% of distinct blocks)")
+    ax.set_ylabel("token hit ratio")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def progress_bar(total: int, enabled: bool) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    """A tqdm bar on stderr, shown only for runs long enough to need one."""
+    if not enabled:
+        return None, lambda: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="req", file=sys.stderr, mininterval=0.5, delay=2.0, leave=False, disable=None)
+    return bar.update, bar.close

@@ -1,0 +1,172 @@
+"""Synthetic Bailian-format traces calibrated to the published characteristics of to-C and to-B traffic.
+
+* to-C (chat): about half the conversations go on for more turns; each turn resends the whole
+  history, so pages are reused at the next turn, minutes later (reuse decaying at about 0.15/min:
+  80 % of reuses inside 10 minutes). Infinite-cache token hit ratio near 0.62.
+* to-B (API): single-turn calls from a few clients, each with its system prompt and often a shared
+  document, in bursts seconds apart (reuse decaying at about 6/min). Infinite-cache hit ratio near
+  0.54.
+* mixed: both, to-C two thirds of the requests.
+
+Deterministic for a seed. Block size 16 tokens; every block id stands for its whole prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TextIO
+
+BLOCK = 16
+PROFILES = ("to-c", "to-b", "mixed")
+RATE = 2.0  # sessions (conversations, API bursts) starting per second
+_TO_C_TURNS = 2.75  # mean turns of a conversation: half have one, the rest 2 + Exp(3) on average
+_TO_B_CALLS = 3.5  # mean calls of an API burst
+
+
+@dataclass(slots=True)
+class _Row:
+    timestamp: float
+    chat_id: int
+    parent_chat_id: int
+    input_length: int
+    output_length: int
+    type: str
+    turn: int
+    hash_ids: list[int]
+    klass: str
+    user: str
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "chat_id": self.chat_id,
+                "parent_chat_id": self.parent_chat_id,
+                "timestamp": round(self.timestamp, 3),
+                "input_length": self.input_length,
+                "output_length": self.output_length,
+                "type": self.type,
+                "turn": self.turn,
+                "hash_ids": self.hash_ids,
+                "class": self.klass,
+                "user": self.user,
+            }
+        )
+
+
+class _Ids:
+    """Block ids: a prompt is a token count; its ids are shared exactly where its prefix is."""
+
+    def __init__(self) -> None:
+        self.next_id = 0
+
+    def extend(self, ids: list[int], length: int, new_length: int) -> list[int]:
+        """Ids of a prompt that continues the ``length``-token prompt ``ids`` to ``new_length`` tokens."""
+        full = length // BLOCK  # a trailing partial block changes when tokens are appended
+        out = ids[:full]
+        for _ in range(full, -(-new_length // BLOCK)):
+            out.append(self.next_id)
+            self.next_id += 1
+        return out
+
+
+def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
+    return int(min(max(rng.lognormvariate(math.log(median), sigma), low), high))
+
+
+def _to_c(rng: random.Random, ids: _Ids, rate: float, horizon: float, chat_ids: Iterator[int]) -> list[_Row]:
+    """Chat conversations: Poisson starts; half continue; next turns after Exp(0.15/min) gaps."""
+    system_prompts = []
+    for _ in range(4):
+        length = rng.choice([256, 512, 768, 1024])
+        system_prompts.append((ids.extend([], 0, length), length))
+    rows: list[_Row] = []
+    t = 0.0
+    user_no = 0
+    while t < horizon:
+        t += rng.expovariate(rate)
+        user_no += 1
+        user = f"u{user_no}"
+        prefix, length = rng.choice(system_prompts)
+        kind = rng.choices(["text", "search", "file", "image"], [0.7, 0.15, 0.1, 0.05])[0]
+        turns = 1 if rng.random() < 0.5 else 2 + int(rng.expovariate(1 / 3.0))
+        when = t
+        parent = -1
+        history, hist_len = prefix, length
+        for turn in range(turns):
+            message = _lognormal(rng, 60 if kind == "text" else 1500, 1.0, 4, 16000)
+            new_len = hist_len + message
+            hash_ids = ids.extend(history, hist_len, new_len)
+            out = _lognormal(rng, 250, 0.8, 1, 4000)
+            chat_id = next(chat_ids)
+            rows.append(_Row(when, chat_id, parent, new_len, out, kind, turn, hash_ids, "to-c", user))
+            parent = chat_id
+            # The next turn resends the history plus the answer.
+            history, hist_len = ids.extend(hash_ids, new_len, new_len + out), new_len + out
+            when += rng.expovariate(0.15 / 60.0)
+    return rows
+
+
+def _to_b(rng: random.Random, ids: _Ids, rate: float, horizon: float, chat_ids: Iterator[int]) -> list[_Row]:
+    """API bursts: a client's system prompt, often a document, calls seconds apart (Exp(6/min))."""
+    clients = []
+    for c in range(6):
+        length = rng.choice([512, 1024, 2048])
+        clients.append((f"client{c}", ids.extend([], 0, length), length))
+    documents = []
+    for _ in range(12):
+        documents.append(_lognormal(rng, 1500, 0.6, 200, 8000))
+    rows: list[_Row] = []
+    t = 0.0
+    while t < horizon:
+        t += rng.expovariate(rate)
+        user, prefix, length = rng.choice(clients)
+        if rng.random() < 0.5:
+            doc_len = rng.choice(documents)
+            base = ids.extend(prefix, length, length + doc_len)  # a fresh copy: documents differ per burst
+            base_len = length + doc_len
+        else:
+            base, base_len = prefix, length
+        calls = 1 + int(rng.expovariate(1 / 3.0))
+        when = t
+        for _ in range(calls):
+            query = _lognormal(rng, 300, 1.0, 8, 8000)
+            hash_ids = ids.extend(base, base_len, base_len + query)
+            out = _lognormal(rng, 120, 0.8, 1, 2000)
+            rows.append(_Row(when, next(chat_ids), -1, base_len + query, out, "api", 0, hash_ids, "to-b", user))
+            when += rng.expovariate(6.0 / 60.0)
+    return rows
+
+
+def generate(profile: str, requests: int, seed: int) -> list[str]:
+    """``requests`` JSON lines of a ``profile`` trace, in timestamp order."""
+    if profile not in PROFILES:
+        raise ValueError(f"--profile must be one of {', '.join(PROFILES)}, got {profile!r}")
+    if requests < 1:
+        raise ValueError("--requests must be at least 1")
+    rng = random.Random(seed)
+    ids = _Ids()
+    chat_ids = iter(range(1, 1 << 62))
+    # Sessions start at RATE per second until a horizon that yields about 1.3x the requests asked
+    # for; the earliest ``requests`` are kept.
+    rows: list[_Row] = []
+    if profile in ("to-c", "mixed"):
+        share = 1.0 if profile == "to-c" else 2 / 3
+        horizon = 1.3 * requests * share / (RATE * _TO_C_TURNS)
+        rows += _to_c(rng, ids, rate=RATE, horizon=horizon, chat_ids=chat_ids)
+    if profile in ("to-b", "mixed"):
+        share = 1.0 if profile == "to-b" else 1 / 3
+        horizon = 1.3 * requests * share / (RATE * _TO_B_CALLS)
+        rows += _to_b(rng, ids, rate=RATE, horizon=horizon, chat_ids=chat_ids)
+    rows.sort(key=lambda r: (r.timestamp, r.chat_id))
+    return [r.to_json() for r in rows[:requests]]
+
+
+def write(profile: str, requests: int, seed: int, out: TextIO) -> int:
+    lines = generate(profile, requests, seed)
+    for line in lines:
+        out.write(line + "\n")
+    return len(lines)
