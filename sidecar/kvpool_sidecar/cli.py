@@ -9,8 +9,7 @@ from pathlib import Path
 
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, load_config
 from kvpool_sidecar.policies import POLICIES
-from kvpool_sidecar.replay import REFERENCE_POLICIES, TraceError, read_trace, run_matrix
-from kvpool_sidecar.replay import report, synth, tune
+from kvpool_sidecar.replay import REFERENCE_POLICIES, TraceError, read_trace, report, run_matrix, synth, tune
 
 EXIT_USAGE = 2
 

@@ -265,6 +265,7 @@ class PagePool:
         self.lookup_tokens = 0
         self.autopins = 0
         self.autopins_refused = 0
+        self.pre_evictions = 0
         self.spec = spec
         self._apply(spec)
 
@@ -709,7 +710,7 @@ class PagePool:
                 self._free.append(page)
         if batch:
             policies[home].insert(batch, depths, seq.published, now, klass)
-            self.model.observe_release(klass, len(batch))
+            self.model.observe_release(klass, len(batch), now)
         self._alloc_slots -= len(pages) * self.page_size
         self._used_slots -= seq.num_tokens
 
@@ -724,6 +725,33 @@ class PagePool:
         """How many leading tokens are cached now; changes nothing."""
         keys, n = self._keys(tokens, block_hashes, num_tokens, meta)
         return min(len(self._cached_prefix(keys)) * self.page_size, n)
+
+    # --------------------------------------------------------------------------- pre-eviction
+    def pre_evict(self, now: float | None = None, max_pages: int | None = None) -> int:
+        """Idle-time eviction: free expired pages, lowest value first, until the free share reaches the
+        low watermark, so that a burst finds free pages instead of paying eviction on its request path.
+
+        Only pages past their class's window are taken (a page still inside it may be reused); each
+        partition's policy decides which of its pages is least valuable. Returns the pages freed.
+        """
+        if not self.spec.preEviction.enabled:
+            return 0
+        now = self.clock() if now is None else now
+        target = int(self.total_pages * self.spec.preEviction.lowWatermarkPercent / 100)
+        budget = self.total_pages if max_pages is None else max_pages
+        freed = 0
+        for part, policy in enumerate(self._policies):
+            while len(self._free) < target and freed < budget and len(policy):
+                page = policy.peek(now)
+                klass = self._klass[page]
+                window = self._windows.get(klass[0] if isinstance(klass, tuple) else TO_C, self._windows[TO_C])
+                if now - self._last[page] <= window:
+                    break  # the least valuable page is still fresh: nothing here is worth freeing
+                before = len(self._free)
+                self._evict_one(part, now)
+                freed += len(self._free) - before
+                self.pre_evictions += len(self._free) - before
+        return freed
 
     # ---------------------------------------------------------------------------------- pins
     def pin(

@@ -25,6 +25,7 @@ ClassKey = Hashable  # (workload class, request type, turn bucket) from the pool
 PRIOR_REUSE_PROBABILITY = 0.5
 _MIN_P, _MAX_P = 0.01, 0.99
 _DRIFT_CHECK_EVERY = 64  # reuse observations between drift checks of a class
+FIT_HALF_LIFE_SECONDS = 1800.0  # the fit forgets half its evidence in this time
 
 
 @dataclass(slots=True)
@@ -36,8 +37,10 @@ class ClassFit:
     reuses: float = 0.0  # page reuses observed
     gap_sum: float = 0.0  # seconds between a page's release and its reuse, summed
     total_reuses: int = 0  # undecayed, for cold start and drift checks
+    updated_at: float = 0.0
     reference_rate: float | None = None
     since_check: int = 0
+    first_reuse_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,13 @@ class DriftEvent:
     adopted: bool
 
 
+def _parent(klass: ClassKey) -> ClassKey:
+    """The workload class a finer class belongs to; a workload class is its own parent."""
+    if isinstance(klass, tuple) and len(klass) > 1:
+        return (klass[0],)
+    return klass
+
+
 def workload_class_of(klass: ClassKey) -> str:
     if isinstance(klass, tuple) and klass:
         return str(klass[0])
@@ -58,11 +68,11 @@ def workload_class_of(klass: ClassKey) -> str:
 class ReuseModel:
     """Per-class fits plus drift detection; the pool feeds it, policies and metrics read it."""
 
-    def __init__(self, spec: KVCachePolicySpec, *, half_life_events: float = 20_000.0) -> None:
+    def __init__(self, spec: KVCachePolicySpec, *, half_life: float | None = None) -> None:
         self._fits: dict[ClassKey, ClassFit] = {}
-        # Counters decay per observed event, not per second: a busy pool adapts as fast as a quiet one
-        # in terms of evidence, and time never needs to be read here.
-        self._decay = 0.5 ** (1.0 / half_life_events)
+        # Counters decay with time (the caller's clock), all three together, so that their ratios
+        # stay unbiased however the observations are batched.
+        self._decay_per_second = math.log(2.0) / (half_life or FIT_HALF_LIFE_SECONDS)
         self.drift_events: list[DriftEvent] = []
         self.on_drift: Callable[[DriftEvent], None] | None = None
         self.configure(spec)
@@ -94,23 +104,39 @@ class ReuseModel:
         return fit
 
     # ---------------------------------------------------------------------------- observations
-    def observe_release(self, klass: ClassKey, pages: int) -> None:
-        fit = self._fit(klass)
-        fit.releases = fit.releases * self._decay + pages
+    def _age(self, fit: ClassFit, now: float) -> None:
+        dt = now - fit.updated_at
+        if dt > 0:
+            d = math.exp(-self._decay_per_second * dt)
+            fit.releases *= d
+            fit.reuses *= d
+            fit.gap_sum *= d
+            fit.updated_at = now
+
+    def observe_release(self, klass: ClassKey, pages: int, now: float) -> None:
+        for key in (klass, _parent(klass)):
+            fit = self._fit(key)
+            self._age(fit, now)
+            fit.releases += pages
 
     def observe_reuse(self, klass: ClassKey, pages: int, gap_sum: float, now: float) -> None:
         """``pages`` cached pages were reused; ``gap_sum`` is their summed time since last release."""
         if pages <= 0:
             return
-        fit = self._fit(klass)
-        d = self._decay
-        fit.reuses = fit.reuses * d + pages
-        fit.gap_sum = fit.gap_sum * d + max(gap_sum, 0.0)
-        fit.total_reuses += pages
-        fit.since_check += pages
-        if fit.since_check >= _DRIFT_CHECK_EVERY and fit.total_reuses >= self.min_samples:
-            fit.since_check = 0
-            self._check_drift(klass, fit, now)
+        for key in (klass, _parent(klass)):
+            fit = self._fit(key)
+            self._age(fit, now)
+            fit.reuses += pages
+            fit.gap_sum += max(gap_sum, 0.0)
+            fit.total_reuses += pages
+            fit.since_check += pages
+            if fit.first_reuse_at is None:
+                fit.first_reuse_at = now
+            if fit.since_check >= _DRIFT_CHECK_EVERY and (
+                fit.total_reuses >= self.min_samples or now - fit.first_reuse_at >= self.cold_start_seconds
+            ):
+                fit.since_check = 0
+                self._check_drift(key, fit, now)
 
     # --------------------------------------------------------------------------------- the fit
     def _weight(self, fit: ClassFit) -> float:
@@ -118,20 +144,29 @@ class ReuseModel:
         return float(self.min_samples)
 
     def rate(self, klass: ClassKey) -> float:
-        """Fitted reuse rate (per second): decayed MLE of the exponential, shrunk towards the prior."""
+        """Fitted reuse rate (per second): decayed MLE of the exponential, shrunk towards its parent's.
+
+        A class (to-C x file x turn 2) shrinks towards its workload class (to-C), which shrinks
+        towards the configured prior: a rare class borrows its parent's evidence rather than sitting
+        on an optimistic prior that no observation has corrected.
+        """
+        parent = _parent(klass)
+        prior = self._prior_for(klass) if parent == klass else self.rate(parent)
         fit = self._fits.get(klass)
         if fit is None:
-            return self._prior_for(klass)
+            return prior
         k = self._weight(fit)
-        return (fit.reuses + k) / (fit.gap_sum + k / fit.prior_rate)
+        return (fit.reuses + k) / (fit.gap_sum + k / prior)
 
     def reuse_probability(self, klass: ClassKey) -> float:
         """Probability that a released page is ever reused (1 - the never-reused mass)."""
+        parent = _parent(klass)
+        prior = PRIOR_REUSE_PROBABILITY if parent == klass else self.reuse_probability(parent)
         fit = self._fits.get(klass)
         if fit is None:
-            return PRIOR_REUSE_PROBABILITY
+            return prior
         k = self._weight(fit)
-        p = (fit.reuses + k * PRIOR_REUSE_PROBABILITY) / (fit.releases + k)
+        p = (fit.reuses + k * prior) / (fit.releases + k)
         return min(max(p, _MIN_P), _MAX_P)
 
     def p_reuse(self, klass: ClassKey, age: float, window: float | None = None) -> float:
@@ -142,14 +177,18 @@ class ReuseModel:
         return p_reuse(p, lam, age, w)
 
     def classes(self) -> dict[ClassKey, tuple[float, float, int]]:
-        """Per class: fitted rate (per minute), reuse probability, reuses observed."""
+        """Per class (and per workload class): fitted rate (per minute), reuse probability, reuses seen."""
         return {
             k: (self.rate(k) * 60.0, self.reuse_probability(k), f.total_reuses) for k, f in self._fits.items()
         }
 
     # ------------------------------------------------------------------------------- drift
     def _check_drift(self, klass: ClassKey, fit: ClassFit, now: float) -> None:
-        rate = self.rate(klass)
+        # Drift is about the workload, so it compares the data's own estimate, not the shrunk one
+        # (which moves on its own as evidence outweighs the prior).
+        if fit.gap_sum <= 0:
+            return
+        rate = fit.reuses / fit.gap_sum
         if fit.reference_rate is None:
             fit.reference_rate = rate  # the end of this class's cold start
             return

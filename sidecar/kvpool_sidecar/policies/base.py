@@ -43,6 +43,9 @@ class EvictionPolicy(Protocol):
     def victim(self, now: float) -> int:
         """Forget and return the page to evict next; only called when ``len(self) > 0``."""
 
+    def peek(self, now: float) -> int:
+        """The page :meth:`victim` would return now, without evicting it (for idle pre-eviction)."""
+
     def configure(self, spec: KVCachePolicySpec) -> None:
         """New parameters on the live pool; nothing is re-inserted."""
 

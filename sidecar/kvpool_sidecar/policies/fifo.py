@@ -23,7 +23,9 @@ class FIFOPolicy:
     def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
         held = self._held
         queue = self._queue
-        for page in pages:
+        # First in is first cached: a prompt's pages are cached head first (at commit), so they queue
+        # head first, whatever order the pool releases them in.
+        for page in reversed(pages):
             if page in queue:
                 held.discard(page)
             else:
@@ -35,13 +37,17 @@ class FIFOPolicy:
     def evict(self, page: int) -> None:
         del self._queue[page]
 
-    def victim(self, now: float) -> int:
+    def peek(self, now: float) -> int:
         held = self._held
-        if not held:
-            return self._queue.popitem(last=False)[0]
         for page in self._queue:
             if page not in held:
-                break
+                return page
+        raise LookupError("no evictable page")
+
+    def victim(self, now: float) -> int:
+        if not self._held:
+            return self._queue.popitem(last=False)[0]
+        page = self.peek(now)
         del self._queue[page]
         return page
 
@@ -103,30 +109,38 @@ class S3FIFOPolicy:
         while len(self._ghost) > len(self._freq) + 1:
             self._ghost.popitem(last=False)
 
-    def victim(self, now: float) -> int:
+    def peek(self, now: float) -> int:
+        """Do S3-FIFO's deferred work (promotions, reinsertions) until a queue head is the victim."""
         small, main, freq, held = self._small, self._main, self._freq, self._held
         cycled = 0
         while True:
             # After a full lap of main finds only held pages, the evictable page must be in small.
             if small and (len(small) >= self.SMALL_SHARE * len(freq) or cycled > len(main)):
-                page = small.popitem(last=False)[0]
+                page = next(iter(small))
                 if freq[page] > 0 or page in held:
+                    del small[page]
                     main[page] = None
                     freq[page] = 0
                     continue
-            else:
-                page = main.popitem(last=False)[0]
-                cycled += 1
-                if page in held:
-                    main[page] = None
-                    continue
-                if freq[page] > 0:
+                return page
+            page = next(iter(main))
+            cycled += 1
+            if page in held or freq[page] > 0:
+                if page not in held:
                     freq[page] -= 1
-                    main[page] = None
-                    continue
-            del freq[page]
-            self._remember(page)
+                main.move_to_end(page)
+                continue
             return page
+
+    def victim(self, now: float) -> int:
+        page = self.peek(now)
+        if page in self._small:
+            del self._small[page]
+        else:
+            del self._main[page]
+        del self._freq[page]
+        self._remember(page)
+        return page
 
     def configure(self, spec: KVCachePolicySpec) -> None:
         pass

@@ -46,11 +46,18 @@ class LFUPolicy:
         self._unlist(page)
         del self._count[page]
 
-    def victim(self, now: float) -> int:
+    def _min_bucket(self) -> OrderedDict[int, None]:
         bucket = self._buckets.get(self._min)
         if bucket is None:
             self._min = min(self._buckets)
             bucket = self._buckets[self._min]
+        return bucket
+
+    def peek(self, now: float) -> int:
+        return next(iter(self._min_bucket()))
+
+    def victim(self, now: float) -> int:
+        bucket = self._min_bucket()
         page = bucket.popitem(last=False)[0]
         if not bucket:
             del self._buckets[self._min]

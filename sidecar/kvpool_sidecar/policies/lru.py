@@ -28,6 +28,9 @@ class LRUPolicy:
     def victim(self, now: float) -> int:
         return self._order.popitem(last=False)[0]
 
+    def peek(self, now: float) -> int:
+        return next(iter(self._order))
+
     def configure(self, spec: KVCachePolicySpec) -> None:
         pass
 

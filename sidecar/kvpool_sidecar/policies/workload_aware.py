@@ -7,14 +7,15 @@
 
 Two implementations of one rule:
 
-``workload_aware`` (amortised O(1)): each class's pages sit in time buckets by release time; a bucket
-is a heap by the score computed at release (pages of one bucket share their age, so that order
-holds). Eviction looks only at the top of each class's oldest bucket, scores those few candidates at
+``workload_aware`` (amortised O(1)): each class's pages sit in time buckets by release time; within a
+bucket pages are ordered by locality level, FIFO within a level (pages of one class and bucket share
+their reuse probability, so that is their score order). Eviction looks only at the top of each class's oldest bucket, scores those few candidates at
 the current time and takes the lowest: age orders buckets, the class's fitted reuse curve trades an
 old page of a class that comes back against a young one of a class that does not. A sparse oldest
-bucket is merged into its neighbour so that the choice stays a choice. The highest-scoring share of
-pages (``protectedPercent``) is kept in a protected segment, evicted from only when nothing else is
-left.
+bucket is merged into its neighbour so that the choice stays a choice. A protected segment
+(``protectedPercent`` of the pages) keeps the pages that score in the top share when released; it is
+evicted from only when nothing else is left, and a page leaves it when its current score drops out of
+the top share or its window expires.
 
 ``workload_aware_exact`` evaluates the full score, at eviction time, of every candidate that can be
 the minimum. Within one (class, locality level) group the rank never improves with age, so the oldest
@@ -27,10 +28,9 @@ whatever its score (a stale system prompt must not outlive a fresh conversation)
 
 from __future__ import annotations
 
-import heapq
 import math
 from bisect import insort
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable
 
 from kvpool_sidecar.config import KVCachePolicySpec
@@ -41,7 +41,8 @@ BUCKETS_PER_WINDOW = 8
 MERGE_BELOW = 64  # live pages under which the oldest bucket is merged into the next
 LOCALITY_LEVELS = 16  # S_locality is quantised so that the exact variant has few (class, level) groups
 _HIST_BINS = 64
-_THRESHOLD_EVERY = 256
+_DEMOTE_PER_CALL = 32
+_THRESHOLD_EVERY = 64  # sampled scores between threshold updates
 
 
 def locality_level(depth: int, length: int) -> int:
@@ -87,59 +88,73 @@ class _Scoring:
 
 
 class _ClassQueue:
-    """One class's time buckets: bucket id -> heap of entries, ids kept in ascending order."""
+    """One class's time buckets, oldest first; a bucket keeps one FIFO per locality level.
 
-    __slots__ = ("heaps", "live", "order")
+    Pages of one class released in one bucket's span share their reuse probability (same class,
+    nearly the same age), so their score order is their locality order: the lowest non-empty level's
+    oldest page is the bucket's best victim. No heap: every operation is O(1) (amortised over the
+    lazily deleted entries skipped at a level's front).
+    """
+
+    __slots__ = ("buckets", "live", "order")
 
     def __init__(self) -> None:
-        self.heaps: dict[int, list[list]] = {}
+        self.buckets: dict[int, list[deque[list]]] = {}
         self.live: dict[int, int] = {}
-        self.order: list[int] = []
+        self.order: list[int] = []  # bucket ids, ascending
 
     def push(self, entry: list) -> None:
         bid = entry[_BID]
-        heap = self.heaps.get(bid)
-        if heap is None:
-            heap = self.heaps[bid] = []
+        bucket = self.buckets.get(bid)
+        if bucket is None:
+            bucket = self.buckets[bid] = [deque() for _ in range(LOCALITY_LEVELS + 1)]
             self.live[bid] = 0
             if self.order and bid < self.order[-1]:
                 insort(self.order, bid)
             else:
                 self.order.append(bid)
-        heapq.heappush(heap, entry)
+        bucket[entry[_LEVEL]].append(entry)
         self.live[bid] += 1
 
     def discard(self, bid: int) -> None:
         self.live[bid] -= 1
         if self.live[bid] == 0:
-            del self.heaps[bid]
+            del self.buckets[bid]
             del self.live[bid]
             self.order.remove(bid)
+
+    def _merge_front(self) -> None:
+        """Fold the sparse oldest bucket into the next: its pages go first within each level."""
+        bid, nxt = self.order[0], self.order[1]
+        older, newer = self.buckets.pop(bid), self.buckets[nxt]
+        for level, fifo in enumerate(older):
+            alive = [e for e in fifo if e[_PAGE] >= 0]
+            for entry in alive:
+                entry[_BID] = nxt
+            newer[level].extendleft(reversed(alive))
+        self.live[nxt] += self.live.pop(bid)
+        self.order.pop(0)
 
     def front(self) -> list:
         """The best eviction candidate of the oldest bucket (merging a sparse one into the next first)."""
         order = self.order
         while len(order) > 1 and self.live[order[0]] < MERGE_BELOW:
-            bid, nxt = order[0], order[1]
-            heap = self.heaps[nxt]
-            for entry in self.heaps[bid]:
-                if entry[_PAGE] >= 0:
-                    entry[_BID] = nxt
-                    heap.append(entry)
-            heapq.heapify(heap)
-            self.live[nxt] += self.live[bid]
-            del self.heaps[bid]
-            del self.live[bid]
-            order.pop(0)
-        heap = self.heaps[order[0]]
-        while heap[0][_PAGE] < 0:
-            heapq.heappop(heap)  # lazily deleted entries
-        return heap[0]
+            self._merge_front()
+        for fifo in self.buckets[order[0]]:
+            while fifo and fifo[0][_PAGE] < 0:
+                fifo.popleft()  # lazily deleted entries
+            if fifo:
+                return fifo[0]
+        raise LookupError("a bucket with live pages has none")  # unreachable: live counts are exact
 
     def pop_front(self) -> list:
-        entry = heapq.heappop(self.heaps[self.order[0]])
-        self.discard(entry[_BID])
-        return entry
+        """Remove and return what :meth:`front` returned (the caller called it since the last change)."""
+        for fifo in self.buckets[self.order[0]]:
+            if fifo:
+                entry = fifo.popleft()
+                self.discard(entry[_BID])
+                return entry
+        raise LookupError("empty bucket")
 
 
 # Entry fields: [score at release, tiebreak, page (-1 when deleted), bucket id, class, released at, level]
@@ -157,6 +172,7 @@ class WorkloadAwarePolicy(_Scoring):
         self._tiebreak = 0
         self._cands: dict[Hashable, tuple] = {}  # class -> its eviction candidate, ranked at _cands_now
         self._cands_now = math.nan
+        self._base: dict[tuple, tuple[bool, float]] = {}  # (class, released) -> (fresh, score w/o locality)
         self._params: dict[Hashable, tuple[float, float, float]] = {}  # class -> (p, rate, window) at _cands_now
         self._dirty: set[Hashable] = set()  # classes whose candidate may have changed
         self._hist = [0.0] * _HIST_BINS
@@ -166,6 +182,8 @@ class WorkloadAwarePolicy(_Scoring):
     def configure(self, spec: KVCachePolicySpec) -> None:
         super().configure(spec)
         self._top = self.alpha + self.beta + self.gamma
+        self._beta_level = self.beta / LOCALITY_LEVELS
+        self._cands_now = math.nan  # ranks were computed with the old weights
 
     def _queue(self, klass: Hashable) -> _ClassQueue:
         queue = self._queues.get(klass)
@@ -193,7 +211,8 @@ class WorkloadAwarePolicy(_Scoring):
             self._tiebreak += 1
             entry = [score, self._tiebreak, page, bid, klass, now, level]
             entries[page] = entry
-            self._note_score(score)
+            if not self._tiebreak & 3:
+                self._note_score(score)  # a 1-in-4 sample is plenty for a quantile
             if score >= threshold:
                 protected[page] = entry
             else:
@@ -238,58 +257,81 @@ class WorkloadAwarePolicy(_Scoring):
 
     def _candidate(self, queue: _ClassQueue, now: float) -> tuple:
         entry = queue.front()
-        klass = entry[_KLASS]
-        params = self._params.get(klass)
-        if params is None:
-            model = self.model
-            window = model.window_of(klass)
-            params = self._params[klass] = (model.reuse_probability(klass), model.rate(klass), window)
-        p, lam, window = params
-        age = now - entry[_RELEASED]
-        fresh = age <= window
-        score = self.alpha * p_reuse(p, lam, age, window) + self.beta * entry[_LEVEL] / LOCALITY_LEVELS
-        if fresh:
-            score += self.gamma
-        return (fresh, score, entry[_RELEASED], entry[1], entry)
+        released = entry[_RELEASED]
+        fresh, score = self._base_rank(entry[_KLASS], released, now)
+        return (fresh, score + self._beta_level * entry[_LEVEL], released, entry[1], entry)
 
-    def victim(self, now: float) -> int:
+    def _base_rank(self, klass: Hashable, released: float, now: float) -> tuple[bool, float]:
+        """(fresh, score without locality); pages released together share it, computed once per ``now``."""
+        base = self._base.get((klass, released))
+        if base is None:
+            params = self._params.get(klass)
+            if params is None:
+                model = self.model
+                params = (model.reuse_probability(klass), model.rate(klass), model.window_of(klass))
+                self._params[klass] = params
+            p, lam, window = params
+            age = now - released
+            score = self.alpha * p_reuse(p, lam, age, window)
+            if age <= window:
+                score += self.gamma
+            base = self._base[(klass, released)] = (age <= window, score)
+        return base
+
+    def _best(self, now: float) -> list:
+        """The entry to evict next, left in place."""
         queues = self._queues
         cands = self._cands
+        dirty = self._dirty
         if now != self._cands_now:
             # Ranks hold while ``now`` does (the model's fit moves between requests, not within one):
             # re-rank everything once per new ``now``, then only the classes touched since.
             self._cands_now = now
+            self._base.clear()
             self._params.clear()
             cands.clear()
             self._expire_protection(now)
-            self._dirty = set(queues)
-        for klass in self._dirty:
-            queue = queues.get(klass)
-            if queue is not None and queue.order:
-                cands[klass] = self._candidate(queue, now)
-            else:
-                cands.pop(klass, None)
-        self._dirty.clear()
+            dirty.update(queues)
+        if dirty:
+            for klass in dirty:
+                queue = queues.get(klass)
+                if queue is not None and queue.order:
+                    cands[klass] = self._candidate(queue, now)
+                else:
+                    cands.pop(klass, None)
+            dirty.clear()
         if cands:
-            entry = min(cands.values())[-1]  # one candidate per class: the top of its oldest bucket
-            klass = entry[_KLASS]
-            queues[klass].pop_front()
-            self._dirty.add(klass)
-        else:
-            _, entry = self._protected.popitem(last=False)
+            return min(cands.values())[-1]  # one candidate per class: the top of its oldest bucket
+        return next(iter(self._protected.values()))
+
+    def peek(self, now: float) -> int:
+        return self._best(now)[_PAGE]
+
+    def victim(self, now: float) -> int:
+        entry = self._best(now)
         page = entry[_PAGE]
+        if self._protected.pop(page, None) is None:
+            klass = entry[_KLASS]
+            self._queues[klass].pop_front()
+            self._dirty.add(klass)
         del self._entry[page]
         return page
 
     def _expire_protection(self, now: float) -> None:
         """Protection lasts while a page's current score stays in the top share (and inside its class's
-        window): a page that was valuable when released but was not reused competes again."""
+        window): a page that was valuable when released but was not reused competes again.
+
+        At most ``_DEMOTE_PER_CALL`` pages are demoted per new ``now``, so that the first burst after
+        a long idle spell does not pay for all of them at once (pre-eviction calls this too).
+        """
         protected = self._protected
-        while protected:
+        for _ in range(_DEMOTE_PER_CALL):
+            if not protected:
+                return
             entry = next(iter(protected.values()))
-            fresh, score = self.rank(entry[_KLASS], entry[_LEVEL], now - entry[_RELEASED])
-            if fresh and score >= self._threshold:
-                break
+            fresh, score = self._base_rank(entry[_KLASS], entry[_RELEASED], now)
+            if fresh and score + self._beta_level * entry[_LEVEL] >= self._threshold:
+                return
             del protected[entry[_PAGE]]
             self._push(entry)
 
@@ -332,6 +374,11 @@ class WorkloadAwareExactPolicy(_Scoring):
         self._forget(page)
 
     def victim(self, now: float) -> int:
+        page = self.peek(now)
+        self._forget(page)
+        return page
+
+    def peek(self, now: float) -> int:
         best_page = -1
         best = (True, math.inf, math.inf)
         for (klass, level), members in self._groups.items():
@@ -339,7 +386,6 @@ class WorkloadAwareExactPolicy(_Scoring):
             key = (*self.rank(klass, level, now - released), released)  # ties: the older page
             if key < best:
                 best, best_page = key, page
-        self._forget(best_page)
         return best_page
 
     def __len__(self) -> int:

@@ -1,7 +1,7 @@
 """Synthetic Bailian-format traces calibrated to the published characteristics of to-C and to-B traffic.
 
-* to-C (chat): about half the conversations go on for more turns; each turn resends the whole
-  history, so pages are reused at the next turn, minutes later (reuse decaying at about 0.15/min:
+* to-C (chat): about half the conversations go on for more turns, with a heavy tail; each turn
+  resends the whole history, so pages are reused at the next turn, minutes later (reuse decaying at about 0.15/min:
   80 % of reuses inside 10 minutes). Infinite-cache token hit ratio near 0.62.
 * to-B (API): single-turn calls from a few clients, each with its system prompt and often a shared
   document, in bursts seconds apart (reuse decaying at about 6/min). Infinite-cache hit ratio near
@@ -23,8 +23,6 @@ from typing import TextIO
 BLOCK = 16
 PROFILES = ("to-c", "to-b", "mixed")
 RATE = 2.0  # sessions (conversations, API bursts) starting per second
-_TO_C_TURNS = 2.75  # mean turns of a conversation: half have one, the rest 2 + Exp(3) on average
-_TO_B_CALLS = 3.5  # mean calls of an API burst
 
 
 @dataclass(slots=True)
@@ -77,7 +75,7 @@ def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: 
     return int(min(max(rng.lognormvariate(math.log(median), sigma), low), high))
 
 
-def _to_c(rng: random.Random, ids: _Ids, rate: float, horizon: float, chat_ids: Iterator[int]) -> list[_Row]:
+def _to_c(rng: random.Random, ids: _Ids, rate: float, rows_wanted: int, chat_ids: Iterator[int]) -> list[_Row]:
     """Chat conversations: Poisson starts; half continue; next turns after Exp(0.15/min) gaps."""
     system_prompts = []
     for _ in range(4):
@@ -86,18 +84,20 @@ def _to_c(rng: random.Random, ids: _Ids, rate: float, horizon: float, chat_ids: 
     rows: list[_Row] = []
     t = 0.0
     user_no = 0
-    while t < horizon:
+    while len(rows) < rows_wanted:
         t += rng.expovariate(rate)
         user_no += 1
         user = f"u{user_no}"
         prefix, length = rng.choice(system_prompts)
         kind = rng.choices(["text", "search", "file", "image"], [0.7, 0.15, 0.1, 0.05])[0]
-        turns = 1 if rng.random() < 0.5 else 2 + int(rng.expovariate(1 / 3.0))
+        # Half the chats end after one turn; the rest have a heavy tail (the longer a chat has gone
+        # on, the likelier it goes on: what the Mooncake chat trace shows).
+        turns = 1 if rng.random() < 0.5 else min(1 + int(rng.paretovariate(1.1)), 40)
         when = t
         parent = -1
         history, hist_len = prefix, length
         for turn in range(turns):
-            message = _lognormal(rng, 60 if kind == "text" else 1500, 1.0, 4, 16000)
+            message = _lognormal(rng, 150 if kind == "text" else 3000, 1.0, 4, 16000)
             new_len = hist_len + message
             hash_ids = ids.extend(history, hist_len, new_len)
             out = _lognormal(rng, 250, 0.8, 1, 4000)
@@ -110,7 +110,7 @@ def _to_c(rng: random.Random, ids: _Ids, rate: float, horizon: float, chat_ids: 
     return rows
 
 
-def _to_b(rng: random.Random, ids: _Ids, rate: float, horizon: float, chat_ids: Iterator[int]) -> list[_Row]:
+def _to_b(rng: random.Random, ids: _Ids, rate: float, rows_wanted: int, chat_ids: Iterator[int]) -> list[_Row]:
     """API bursts: a client's system prompt, often a document, calls seconds apart (Exp(6/min))."""
     clients = []
     for c in range(6):
@@ -121,7 +121,7 @@ def _to_b(rng: random.Random, ids: _Ids, rate: float, horizon: float, chat_ids: 
         documents.append(_lognormal(rng, 1500, 0.6, 200, 8000))
     rows: list[_Row] = []
     t = 0.0
-    while t < horizon:
+    while len(rows) < rows_wanted:
         t += rng.expovariate(rate)
         user, prefix, length = rng.choice(clients)
         if rng.random() < 0.5:
@@ -133,7 +133,7 @@ def _to_b(rng: random.Random, ids: _Ids, rate: float, horizon: float, chat_ids: 
         calls = 1 + int(rng.expovariate(1 / 3.0))
         when = t
         for _ in range(calls):
-            query = _lognormal(rng, 300, 1.0, 8, 8000)
+            query = _lognormal(rng, 700, 1.0, 8, 8000)
             hash_ids = ids.extend(base, base_len, base_len + query)
             out = _lognormal(rng, 120, 0.8, 1, 2000)
             rows.append(_Row(when, next(chat_ids), -1, base_len + query, out, "api", 0, hash_ids, "to-b", user))
@@ -150,17 +150,15 @@ def generate(profile: str, requests: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     ids = _Ids()
     chat_ids = iter(range(1, 1 << 62))
-    # Sessions start at RATE per second until a horizon that yields about 1.3x the requests asked
-    # for; the earliest ``requests`` are kept.
+    # Sessions start at RATE per second until they have made 1.3x the requests asked for (later turns
+    # land after the cut); the earliest ``requests`` are kept.
     rows: list[_Row] = []
     if profile in ("to-c", "mixed"):
         share = 1.0 if profile == "to-c" else 2 / 3
-        horizon = 1.3 * requests * share / (RATE * _TO_C_TURNS)
-        rows += _to_c(rng, ids, rate=RATE, horizon=horizon, chat_ids=chat_ids)
+        rows += _to_c(rng, ids, rate=RATE, rows_wanted=int(1.3 * requests * share) + 1, chat_ids=chat_ids)
     if profile in ("to-b", "mixed"):
         share = 1.0 if profile == "to-b" else 1 / 3
-        horizon = 1.3 * requests * share / (RATE * _TO_B_CALLS)
-        rows += _to_b(rng, ids, rate=RATE, horizon=horizon, chat_ids=chat_ids)
+        rows += _to_b(rng, ids, rate=RATE * share, rows_wanted=int(1.3 * requests * share) + 1, chat_ids=chat_ids)
     rows.sort(key=lambda r: (r.timestamp, r.chat_id))
     return [r.to_json() for r in rows[:requests]]
 

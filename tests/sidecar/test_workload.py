@@ -1,0 +1,90 @@
+"""The reuse model: priors at cold start, an unbiased fit, the never-reused mass, drift."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from kvpool_sidecar.config import KVCachePolicySpec
+from kvpool_sidecar.workload import PRIOR_REUSE_PROBABILITY, ReuseModel, p_reuse
+
+CHAT = ("toC", "text", 0)
+API = ("toB", "api", 0)
+
+
+def feed(model: ReuseModel, klass, rate_per_s: float, p: float, pages: int, start: float, rng: random.Random) -> float:
+    """Release ``pages`` pages one per second; each is reused with prob ``p`` after Exp(rate)."""
+    now = start
+    for _ in range(pages):
+        now += 1.0
+        model.observe_release(klass, 1, now)
+        if rng.random() < p:
+            model.observe_reuse(klass, 1, rng.expovariate(rate_per_s), now)
+    return now
+
+
+def test_cold_start_uses_the_configured_priors():
+    model = ReuseModel(KVCachePolicySpec())
+    assert math.isclose(model.rate(CHAT) * 60, 0.15)
+    assert math.isclose(model.rate(API) * 60, 6.0)
+    assert model.reuse_probability(CHAT) == PRIOR_REUSE_PROBABILITY
+    assert model.window_of(API) == 10 and model.window_of(CHAT) == 600
+
+
+def test_fit_recovers_rate_and_reuse_probability():
+    model = ReuseModel(KVCachePolicySpec())
+    feed(model, CHAT, rate_per_s=1 / 120, p=0.3, pages=20_000, start=0.0, rng=random.Random(1))
+    assert abs(model.rate(CHAT) * 120 - 1) < 0.1
+    assert abs(model.reuse_probability(CHAT) - 0.3) < 0.03
+
+
+def test_never_reused_mass_makes_old_pages_worthless():
+    # With p = 1 an exponential is memoryless: age changes nothing. With p < 1, waiting is evidence
+    # that the page belongs to the never-reused mass.
+    assert math.isclose(p_reuse(1.0, 0.01, 0, 60), p_reuse(1.0, 0.01, 500, 60))
+    young, old = p_reuse(0.3, 0.01, 0, 60), p_reuse(0.3, 0.01, 500, 60)
+    assert old < young / 5
+
+
+def test_rare_class_borrows_its_workload_class_fit():
+    model = ReuseModel(KVCachePolicySpec())
+    feed(model, CHAT, rate_per_s=1 / 60, p=0.2, pages=5000, start=0.0, rng=random.Random(2))
+    rare = ("toC", "image", 3)
+    model.observe_release(rare, 1, 5000.0)
+    # Not the 0.5 prior: it shrinks towards to-C's fitted 0.2.
+    assert abs(model.reuse_probability(rare) - 0.2) < 0.05
+
+
+def test_drift_is_reported_and_adopted_when_refit_is_on():
+    spec = KVCachePolicySpec.model_validate({"learning": {"minSamples": 100, "driftThresholdPercent": 20}})
+    model = ReuseModel(spec, half_life=300.0)
+    events = []
+    model.on_drift = events.append
+    rng = random.Random(3)
+    now = feed(model, CHAT, rate_per_s=1 / 60, p=0.5, pages=3000, start=0.0, rng=rng)
+    assert events == []  # a stable workload reports nothing
+    feed(model, CHAT, rate_per_s=1 / 10, p=0.5, pages=3000, start=now, rng=rng)  # reuse 6x faster
+    assert events, "a 6x faster reuse must be reported as drift"
+    assert events[0].klass in (CHAT, ("toC",)) and events[0].adopted
+    assert events[-1].fitted_rate > 1.2 * events[0].reference_rate
+
+
+def test_drift_without_refit_keeps_the_reference():
+    spec = KVCachePolicySpec.model_validate(
+        {"learning": {"minSamples": 100, "driftThresholdPercent": 20, "refitOnDrift": False}}
+    )
+    model = ReuseModel(spec, half_life=300.0)
+    rng = random.Random(4)
+    now = feed(model, CHAT, rate_per_s=1 / 60, p=0.5, pages=3000, start=0.0, rng=rng)
+    feed(model, CHAT, rate_per_s=1 / 10, p=0.5, pages=3000, start=now, rng=rng)
+    refs = {round(e.reference_rate, 6) for e in model.drift_events if e.klass == CHAT}
+    assert len(refs) == 1 and not any(e.adopted for e in model.drift_events)
+
+
+def test_live_reconfigure_changes_priors_but_keeps_the_fit():
+    model = ReuseModel(KVCachePolicySpec())
+    feed(model, CHAT, rate_per_s=1 / 60, p=0.4, pages=3000, start=0.0, rng=random.Random(5))
+    fitted = model.reuse_probability(CHAT)
+    model.configure(KVCachePolicySpec.model_validate({"workloads": {"toB": {"decayPerMinute": 12}}}))
+    assert math.isclose(model.rate(API) * 60, 12)
+    assert model.reuse_probability(CHAT) == fitted
