@@ -87,7 +87,8 @@ def main() -> None:
         count = args.evictions if name != "workload_aware_exact" else min(args.evictions, 4000)
         samples = sorted(time_evictions(pool, now, count))
         p99 = samples[int(len(samples) * 0.99) - 1]
-        print(f"{name:<22}{statistics.median(samples):>10.2f}{p99:>10.2f}{statistics.fmean(samples):>10.2f}", flush=True)
+        median, mean = statistics.median(samples), statistics.fmean(samples)
+        print(f"{name:<22}{median:>10.2f}{p99:>10.2f}{mean:>10.2f}", flush=True)
         pool.check_invariants() if args.pages <= 100_000 else None
         del pool
         gc.collect()

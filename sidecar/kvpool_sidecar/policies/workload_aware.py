@@ -7,15 +7,15 @@
 
 Two implementations of one rule:
 
-``workload_aware`` (amortised O(1)): each class's pages sit in time buckets by release time; within a
-bucket pages are ordered by locality level, FIFO within a level (pages of one class and bucket share
-their reuse probability, so that is their score order). Eviction looks only at the top of each class's oldest bucket, scores those few candidates at
-the current time and takes the lowest: age orders buckets, the class's fitted reuse curve trades an
-old page of a class that comes back against a young one of a class that does not. A sparse oldest
-bucket is merged into its neighbour so that the choice stays a choice. A protected segment
-(``protectedPercent`` of the pages) keeps the pages that score in the top share when released; it is
-evicted from only when nothing else is left, and a page leaves it when its current score drops out of
-the top share or its window expires.
+``workload_aware`` (amortised O(1)): each class's pages sit in time buckets by release time; within
+a bucket pages are ordered by locality level, FIFO within a level (pages of one class and bucket
+share their reuse probability, so that is their score order). Eviction looks only at the top of each
+class's oldest bucket, scores those few candidates at the current time and takes the lowest: age
+orders buckets, the class's fitted reuse curve trades an old page of a class that comes back against
+a young one of a class that does not. A sparse oldest bucket is merged into its neighbour so that
+the choice stays a choice. A protected segment (``protectedPercent`` of the pages) keeps the pages
+that score in the top share when released; it is evicted from only when nothing else is left, and a
+page leaves it when its current score drops out of the top share or its window expires.
 
 ``workload_aware_exact`` evaluates the full score, at eviction time, of every candidate that can be
 the minimum. Within one (class, locality level) group the rank never improves with age, so the oldest

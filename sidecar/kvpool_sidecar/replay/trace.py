@@ -75,7 +75,6 @@ def parse_lines(lines: Iterable[str], path: str = "<trace>") -> Trace:
     fmt = ""
     block = 0
     seen: set[int] = set()
-    turns: dict[int, int] = {}
     for line_no, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -99,10 +98,7 @@ def parse_lines(lines: Iterable[str], path: str = "<trace>") -> Trace:
             )
         if fmt == "mooncake":
             ts = _number(row, "timestamp", path, line_no) / 1000.0
-            # Mooncake has no metadata. The engine knows a chat's turn; here it is how many earlier
-            # requests continued the same prompt past its first block (the shared system prompt).
-            turn = turns.get(ids[1], 0) if len(ids) > 1 else 0
-            meta = WorkloadMeta(TO_C, "text", turn)
+            meta = WorkloadMeta(TO_C, "text", 0)  # turns are inferred below, in time order
         else:
             ts = _number(row, "timestamp", path, line_no)
             klass = str(row.get("class", "to-c")).lower().replace("-", "")
@@ -115,13 +111,27 @@ def parse_lines(lines: Iterable[str], path: str = "<trace>") -> Trace:
                 TO_B if klass == "tob" else TO_C, str(row.get("type", "text")), turn, user=str(row.get("user", ""))
             )
         seen.update(ids)
-        if len(ids) > 1:
-            turns[ids[1]] = turns.get(ids[1], 0) + 1
         requests.append(Request(ts, n, out, ids, meta))
     if not requests:
         raise TraceError(path, 0, "no requests")
     requests.sort(key=lambda r: r.timestamp)  # stable: equal timestamps keep file order
+    if fmt == "mooncake":
+        requests = _infer_turns(requests)
     return Trace(Path(path).name, fmt, block, requests, len(seen))
+
+
+def _infer_turns(requests: list[Request]) -> list[Request]:
+    """Mooncake has no metadata. The engine knows a chat's turn; here it is how many earlier requests
+    continued the same prompt past its first block (the system prompt every chat shares)."""
+    turns: dict[int, int] = {}
+    out = []
+    for r in requests:
+        turn = 0
+        if len(r.hash_ids) > 1:
+            turn = turns.get(r.hash_ids[1], 0)
+            turns[r.hash_ids[1]] = turn + 1
+        out.append(Request(r.timestamp, r.input_length, r.output_length, r.hash_ids, WorkloadMeta(TO_C, "text", turn)))
+    return out
 
 
 def read_trace(path: str | Path) -> Trace:
