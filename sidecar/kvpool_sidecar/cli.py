@@ -1,4 +1,4 @@
-"""``kvpool-sidecar``: the command line (replay, synth, tune)."""
+"""``kvpool-sidecar``: the command line (serve, replay, synth, tune)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError("must be a port number in 1..65535")
+    return value
+
+
 def _spec(path: str | None) -> KVCachePolicySpec | None:
     return load_config(path).spec() if path else None
 
@@ -52,6 +59,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(results, args.plot, f"{trace.name}: token hit ratio")
         print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvpool_sidecar.service.server import ServeOptions, serve
+
+    serve(
+        ServeOptions(
+            config=args.config, host=args.host, port=args.port, pages=args.pages, token_file=args.token_file,
+            metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_level=args.log_level,
+        )
+    )
     return 0
 
 
@@ -83,6 +102,17 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool-sidecar", description="kvpool sidecar: the per-pod KV page pool")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="serve the pool's HTTP API (defaults: embedded CPU pool, built-in config)")
+    srv.add_argument("--config", help="sidecar config file (the policy spec as YAML); watched and hot-reloaded")
+    srv.add_argument("--host", default="127.0.0.1", help="control API address (beyond localhost needs --token-file)")
+    srv.add_argument("--port", type=_port, default=8000)
+    srv.add_argument("--pages", type=_positive_int, default=65_536, help="pages in the pool")
+    srv.add_argument("--token-file", help="file holding the bearer token the control API requires")
+    srv.add_argument("--metrics-host", help="serve /metrics on its own address (default 0.0.0.0 with --metrics-port)")
+    srv.add_argument("--metrics-port", type=_port, help="serve /metrics on its own port instead of the API's")
+    srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    srv.set_defaults(func=cmd_serve)
 
     replay = sub.add_parser("replay", help="replay a trace through the real pool, per policy and capacity")
     replay.add_argument("trace", help="Mooncake or Bailian JSONL trace")
@@ -121,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.capacity = args.capacity or [0.05]
     try:
         return args.func(args)
-    except (TraceError, ConfigError, OSError, ValueError) as exc:
+    except (TraceError, ConfigError, OSError, ValueError) as exc:  # ServeError is a ValueError
         print(f"kvpool-sidecar {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
 

@@ -113,6 +113,9 @@ class Admission:
     seq_id: str
     num_cached_tokens: int
     page_ids: list[int]
+    cross_user_tokens: int = 0  # cached tokens first computed for another user
+    evicted_pages: int = 0  # pages this admission evicted to make room
+    keys: list[Hashable] = field(default_factory=list)  # keys of its full prompt pages
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +136,7 @@ class Pin:
 @dataclass(slots=True)
 class PartitionStats:
     capacity: int
-    owned: int
-    cached: int
+    owned: int  # pages in use or cached that belong to the partition
     evictable: int
 
 
@@ -258,6 +260,8 @@ class PagePool:
         self._pinned_pages = 0
         self._alloc_slots = 0
         self._used_slots = 0
+        self._in_use = 0  # pages with refcount > 0
+        self.evictions_by: dict[tuple[str, str], int] = {}  # (partition, reason) -> pages
         self._salts: dict[str, bytes] = {}
         # Cumulative counters (read by metrics; cheap ints on the hot path).
         self.evictions = 0
@@ -413,16 +417,19 @@ class PagePool:
         ghost = self._ghost
         klass_of = self._klass
         last = self._last
-        evicted = 0
+        window = self._windows[_PARTITIONS[part]]
+        evicted = expired = 0
         for _ in range(count):
             if owned[part] < cap:
                 if not free:
                     # Only when the other partition is over its share (after a live resize).
-                    self._evict_one(1 - part, now)
+                    self._evict_one(1 - part, now, "capacity")
                 page = free.pop()
                 owned[part] += 1
             else:
                 page = victim(now)
+                if now - last[page] > window:
+                    expired += 1
                 if first_child[page] != NO_PAGE:
                     self._evict_descendants(page)
                 k = key[page]
@@ -440,17 +447,30 @@ class PagePool:
             part_of[page] = part
             ref[page] = 1
             pages.append(page)
+        self._in_use += count
         if evicted:
             self.evictions += evicted
+            self._count_evictions(part, "expired", expired)
+            self._count_evictions(part, "capacity", evicted - expired)
             while len(ghost) > self._ghost_cap:
                 ghost.popitem(last=False)
         return pages
 
-    def _evict_one(self, part: int, now: float) -> None:
+    def _count_evictions(self, part: int, reason: str, pages: int) -> None:
+        if pages:
+            key = (_PARTITIONS[part], reason)
+            self.evictions_by[key] = self.evictions_by.get(key, 0) + pages
+
+    def _evict_one(self, part: int, now: float, reason: str) -> int:
+        """Evict the policy's victim (and its descendants); returns the pages freed."""
+        before = len(self._free)
         page = self._policies[part].victim(now)
         if self._first_child[page] != NO_PAGE:
             self._evict_descendants(page)
         self._drop(page)
+        freed = len(self._free) - before
+        self._count_evictions(part, reason, freed)
+        return freed
 
     def _evict_descendants(self, page: int) -> None:
         """Descendants of an evicted page are unreachable: evict them too, leaves first (I4)."""
@@ -524,11 +544,17 @@ class PagePool:
         policies = self._policies
         part_of = self._part
         klass_of = self._klass
+        user_of = self._user
+        user = meta.user
+        cross_user = 0
         reuse_class: Hashable = None
         reused = 0
         gap_sum = 0.0
         for page in hits:
+            if user and user_of[page] and user_of[page] != user:
+                cross_user += 1
             if ref[page] == 0:
+                self._in_use += 1
                 # A reuse is evidence about the class that released the page, not the one reusing it.
                 klass = klass_of[page]
                 if klass != reuse_class:
@@ -551,6 +577,7 @@ class PagePool:
                     break
                 self.ghost_hits += 1
                 self.model.observe_reuse(seen[0], 1, now - seen[1], now)
+        evictions = self.evictions
         pages = hits + self._allocate(part, need, now) if need > 0 else hits
         cached_tokens = min(len(hits) * ps, n)
         self.hit_tokens += cached_tokens
@@ -558,7 +585,7 @@ class PagePool:
         self._seqs[seq_id] = _Seq(seq_id, meta, part, pages, keys, n, n, cached_tokens, len(hits))
         self._alloc_slots += len(pages) * ps
         self._used_slots += n
-        return Admission(seq_id, cached_tokens, pages)
+        return Admission(seq_id, cached_tokens, pages, cross_user * ps, self.evictions - evictions, keys)
 
     def _seq(self, seq_id: str) -> _Seq:
         seq = self._seqs.get(seq_id)
@@ -696,6 +723,7 @@ class PagePool:
             ref[page] = r
             if r:
                 continue
+            self._in_use -= 1
             last[page] = now
             if key[page] is not None:
                 klass_of[page] = klass
@@ -747,10 +775,9 @@ class PagePool:
                 window = self._windows.get(klass[0] if isinstance(klass, tuple) else TO_C, self._windows[TO_C])
                 if now - self._last[page] <= window:
                     break  # the least valuable page is still fresh: nothing here is worth freeing
-                before = len(self._free)
-                self._evict_one(part, now)
-                freed += len(self._free) - before
-                self.pre_evictions += len(self._free) - before
+                n = self._evict_one(part, now, "pre_eviction")
+                freed += n
+                self.pre_evictions += n
         return freed
 
     # ---------------------------------------------------------------------------------- pins
@@ -852,17 +879,14 @@ class PagePool:
         return seq_id in self._seqs
 
     def stats(self) -> PoolStats:
-        in_use = sum(1 for r in self._ref if r)
+        """Counts kept up to date by every operation: O(1), cheap enough for every scrape."""
+        in_use = self._in_use
         free = len(self._free)
-        parts = {}
-        for i, name in enumerate(_PARTITIONS):
-            evictable = len(self._policies[i])
-            parts[name] = PartitionStats(self._caps[i], self._owned[i], 0, evictable)
-        cached = 0
-        for page, key in enumerate(self._key):
-            if key is not None and self._ref[page] == 0:
-                cached += 1
-                parts[_PARTITIONS[self._part[page]]].cached += 1
+        cached = self.total_pages - free - in_use
+        parts = {
+            name: PartitionStats(self._caps[i], self._owned[i], len(self._policies[i]))
+            for i, name in enumerate(_PARTITIONS)
+        }
         return PoolStats(
             total_pages=self.total_pages,
             page_size=self.page_size,
@@ -898,6 +922,7 @@ class PagePool:
                 assert self._index.get(seq.keys[i]) == seq.pages[i], f"I2: {seq.seq_id} page {i} unpublished"
             assert seq.published * self.page_size <= seq.num_computed, f"I2: {seq.seq_id} published early"
         assert refs == self._ref, "I1: refcounts differ from the sequences' page tables"
+        assert self._in_use == sum(1 for r in refs if r), "in-use page count drifted"
         assert (slots, used) == (self._alloc_slots, self._used_slots), "fragmentation accounting drifted"
         pin_counts = [0] * n
         for record in self._pin_records.values():

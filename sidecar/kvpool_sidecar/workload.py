@@ -75,6 +75,7 @@ class ReuseModel:
         self._decay_per_second = math.log(2.0) / (half_life or FIT_HALF_LIFE_SECONDS)
         self.drift_events: list[DriftEvent] = []
         self.on_drift: Callable[[DriftEvent], None] | None = None
+        self.on_reuse: Callable[[ClassKey, int, float], None] | None = None  # (class, pages, summed gaps)
         self.configure(spec)
 
     def configure(self, spec: KVCachePolicySpec) -> None:
@@ -123,6 +124,8 @@ class ReuseModel:
         """``pages`` cached pages were reused; ``gap_sum`` is their summed time since last release."""
         if pages <= 0:
             return
+        if self.on_reuse is not None:
+            self.on_reuse(klass, pages, gap_sum)
         for key in (klass, _parent(klass)):
             fit = self._fit(key)
             self._age(fit, now)

@@ -1,0 +1,217 @@
+"""The FastAPI application: routes, error shapes, auth, background reload and pre-eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvpool_sidecar.config import ConfigError, validate_config
+from kvpool_sidecar.pool import PoolError, WorkloadMeta
+from kvpool_sidecar.service import models as m
+from kvpool_sidecar.service.state import Sidecar
+
+log = logging.getLogger("kvpool.sidecar")
+PRE_EVICT_BATCH = 4096  # pages per idle step: bounded, so a request never waits long behind one
+IDLE_SECONDS = 0.5
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, detail: str, field: str = "") -> None:
+        self.status, self.error, self.detail, self.field = status, error, detail, field
+
+
+def _error(status: int, error: str, detail: str, field: str = "") -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": error, "detail": detail, "field": field})
+
+
+def _meta(meta: m.Meta) -> WorkloadMeta:
+    return WorkloadMeta(meta.workload_class, meta.request_type, meta.turn, meta.tenant, meta.user)
+
+
+def _error_name(exc: PoolError) -> str:
+    name = type(exc).__name__
+    return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": m.ErrorResponse} for code in (400, 401, 404, 409, 422, 503)
+}
+
+
+def create_app(
+    sidecar: Sidecar, *, token: str | None = None, serve_metrics: bool = True, poll_interval: float = 0.5,
+    pre_evict_interval: float = 1.0,
+) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(_watch_config(sidecar, poll_interval))]
+        if pre_evict_interval > 0:
+            tasks.append(asyncio.create_task(_pre_evict_when_idle(sidecar, pre_evict_interval)))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            sidecar.close()
+
+    app = FastAPI(
+        title="kvpool sidecar",
+        version="0.1.0",
+        description="Paged KV-cache pool of one inference pod: prefix reuse, pins, partitions, eviction.",
+        lifespan=lifespan,
+        responses=ERROR_RESPONSES,
+    )
+
+    async def authorize(request: Request) -> None:
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+            raise ApiError(401, "unauthorized", "a valid bearer token is required", "authorization")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.error, exc.detail, exc.field)
+
+    @app.exception_handler(PoolError)
+    async def _pool_error(_: Request, exc: PoolError) -> JSONResponse:
+        return _error(exc.status, _error_name(exc), str(exc), exc.field)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "path", "query")]
+        if first.get("type") == "json_invalid":
+            return _error(400, "invalid_json", f"the body is not valid JSON: {first.get('msg')}", "body")
+        if first.get("type") == "model_attributes_type" and not loc:
+            return _error(400, "invalid_json", "the body must be a JSON object (Content-Type: application/json)", "body")
+        msg = first.get("msg", "invalid").removeprefix("Value error, ")
+        return _error(422, "invalid_request", msg, ".".join(loc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, "http_error", str(exc.detail))
+
+    v1 = [Depends(authorize)]
+
+    @app.post("/v1/sequences", response_model=m.AdmitResponse, dependencies=v1, tags=["sequences"])
+    async def admit(body: m.AdmitRequest) -> m.AdmitResponse:
+        adm = await sidecar.run(
+            sidecar.admit, body.seq_id, body.tokens, body.block_hashes, body.num_tokens, _meta(body.meta)
+        )
+        return m.AdmitResponse(seq_id=adm.seq_id, num_cached_tokens=adm.num_cached_tokens, page_ids=adm.page_ids)
+
+    @app.post("/v1/sequences/{seq_id}/commit", response_model=m.CommitResponse, dependencies=v1, tags=["sequences"])
+    async def commit(seq_id: str, body: m.CommitRequest) -> m.CommitResponse:
+        published = await sidecar.run(sidecar.pool.commit, seq_id, body.num_computed_tokens)
+        return m.CommitResponse(seq_id=seq_id, published_pages=published)
+
+    @app.post("/v1/sequences/{seq_id}/append", response_model=m.AppendResponse, dependencies=v1, tags=["sequences"])
+    async def append(seq_id: str, body: m.AppendRequest) -> m.AppendResponse:
+        new = await sidecar.run(sidecar.with_evictions, sidecar.pool.append, seq_id, body.num_new_tokens)
+        return m.AppendResponse(seq_id=seq_id, new_page_ids=new)
+
+    @app.post("/v1/sequences/{seq_id}/fork", response_model=m.ForkResponse, dependencies=v1, tags=["sequences"])
+    async def fork(seq_id: str, body: m.ForkRequest) -> m.ForkResponse:
+        res = await sidecar.run(sidecar.with_evictions, sidecar.pool.fork, seq_id, body.new_seq_id)
+        return m.ForkResponse(seq_id=res.seq_id, page_ids=res.page_ids, copy_src=res.copy_src, copy_dst=res.copy_dst)
+
+    @app.delete("/v1/sequences/{seq_id}", status_code=204, dependencies=v1, tags=["sequences"])
+    async def release(seq_id: str) -> Response:
+        await sidecar.run(sidecar.pool.release, seq_id)
+        return Response(status_code=204)
+
+    @app.post("/v1/lookup", response_model=m.LookupResponse, dependencies=v1, tags=["sequences"])
+    async def lookup(body: m.Prompt) -> m.LookupResponse:
+        n = await sidecar.run(
+            sidecar.pool.lookup, body.tokens, block_hashes=body.block_hashes, num_tokens=body.num_tokens,
+            meta=_meta(body.meta),
+        )
+        return m.LookupResponse(num_cached_tokens=n)
+
+    @app.post("/v1/pins", response_model=m.PinResponse, status_code=201, dependencies=v1, tags=["pins"])
+    async def pin(body: m.PinRequest) -> m.PinResponse:
+        record = await sidecar.run(
+            sidecar.pool.pin, body.tokens, block_hashes=body.block_hashes, seq_id=body.seq_id,
+            meta=_meta(body.meta), ttl=body.ttl_seconds,
+        )
+        return m.PinResponse(pin_id=record.pin_id, pages=list(record.pages), expires_at=record.expires_at)
+
+    @app.delete("/v1/pins/{pin_id}", status_code=204, dependencies=v1, tags=["pins"])
+    async def unpin(pin_id: str) -> Response:
+        await sidecar.run(sidecar.pool.unpin, pin_id)
+        return Response(status_code=204)
+
+    @app.get("/v1/stats", dependencies=v1, tags=["status"])
+    async def stats() -> dict[str, Any]:
+        return await sidecar.run(sidecar.stats)
+
+    @app.get("/v1/config", response_model=m.ConfigView, dependencies=v1, tags=["config"])
+    async def get_config() -> dict[str, Any]:
+        return sidecar.config_view()
+
+    @app.put("/v1/config", response_model=m.ConfigView, dependencies=v1, tags=["config"])
+    async def put_config(body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            config = validate_config(body)
+        except ConfigError as exc:
+            await sidecar.run(sidecar.reject, f"PUT /v1/config: {exc}")
+            raise ApiError(422, "invalid_config", str(exc), exc.field) from None
+        result, error = await sidecar.run(sidecar.apply_config, config, "PUT /v1/config")
+        if error:
+            field = "pageSize" if "pageSize" in error else ""
+            raise ApiError(409 if field else 422, "config_refused", error, field)
+        return sidecar.config_view()
+
+    @app.get("/healthz", tags=["status"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["status"])
+    async def readyz() -> dict[str, str]:
+        # The sidecar starts only with a valid config and never drops it: once serving, it is ready.
+        return {"status": "ready", "config_hash": sidecar.state.hash}
+
+    if serve_metrics:
+
+        @app.get("/metrics", tags=["status"], include_in_schema=False)
+        async def metrics() -> Response:
+            return Response(generate_latest(sidecar.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _watch_config(sidecar: Sidecar, interval: float) -> None:
+    while True:
+        try:
+            await sidecar.run_background(sidecar.poll_config_file)
+        except Exception:  # the watcher must outlive any surprise; the error is logged
+            log.exception("config watch failed")
+        await asyncio.sleep(interval)
+
+
+async def _pre_evict_when_idle(sidecar: Sidecar, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        if time.monotonic() - sidecar.last_activity < IDLE_SECONDS:
+            continue
+        try:
+            freed = await sidecar.run_background(sidecar.pre_evict, PRE_EVICT_BATCH)
+        except Exception:
+            log.exception("pre-eviction failed")
+            continue
+        if freed:
+            log.debug("pre-evicted %d expired pages", freed)

@@ -1,0 +1,130 @@
+"""Prometheus metrics of one sidecar (prometheus-client, its own registry).
+
+Counters and histograms are what PromQL turns into ratios (hit ratio by prompt region and class,
+cross-user reuse, eviction efficiency); gauges are read from the pool at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+REGIONS = ("prefix", "middle", "suffix")
+GAP_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+EVICTION_BUCKETS = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2)
+
+
+def region_split(cached: int, length: int) -> list[tuple[str, int, int]]:
+    """(region, hit tokens, looked-up tokens) for the thirds of a prompt; hits are always a prefix."""
+    edges = [0, length // 3, 2 * length // 3, length]
+    out = []
+    for i, region in enumerate(REGIONS):
+        lo, hi = edges[i], edges[i + 1]
+        out.append((region, max(0, min(cached, hi) - lo), hi - lo))
+    return out
+
+
+class SidecarMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.lookup_tokens = Counter(
+            "kvpool_lookup_tokens", "Prompt tokens looked up at admission, by prompt region and class",
+            ["workload_class", "region"], registry=r,
+        )
+        self.hit_tokens = Counter(
+            "kvpool_hit_tokens", "Prompt tokens served from cached pages, by prompt region and class",
+            ["workload_class", "region"], registry=r,
+        )
+        self.cross_user_hit_tokens = Counter(
+            "kvpool_cross_user_hit_tokens", "Cached tokens hit on pages first computed for another user",
+            ["workload_class"], registry=r,
+        )
+        self.shadow_hit_tokens = Counter(
+            "kvpool_shadow_hit_tokens",
+            "Tokens an unbounded cache would have served (shadow index of hashes); the ideal for efficiency",
+            ["workload_class"], registry=r,
+        )
+        self.reuse_gap = Histogram(
+            "kvpool_reuse_gap_seconds", "Time between a page's release and its reuse (the decay curve)",
+            ["workload_class"], buckets=GAP_BUCKETS, registry=r,
+        )
+        self.evicted_pages = Counter(
+            "kvpool_evicted_pages", "Pages evicted, by partition and reason", ["partition", "reason"], registry=r,
+        )
+        self.eviction_seconds = Histogram(
+            "kvpool_eviction_seconds", "Eviction decision time per evicted page on the request path",
+            buckets=EVICTION_BUCKETS, registry=r,
+        )
+        self.requests = Counter(
+            "kvpool_requests", "API calls by operation and outcome", ["operation", "outcome"], registry=r,
+        )
+        self.reloads = Counter(
+            "kvpool_config_reloads", "Config reloads by result (applied, unchanged, invalid)", ["result"],
+            registry=r,
+        )
+        self.drift_events = Counter(
+            "kvpool_drift_events", "Reuse-rate drift beyond the configured threshold", ["workload_class"],
+            registry=r,
+        )
+        self.config_info = Gauge(
+            "kvpool_config_info", "The config in force (value 1)", ["hash", "policy", "source"], registry=r,
+        )
+        self.config_generation = Gauge(
+            "kvpool_config_generation", "metadata.generation of the policy in force", registry=r,
+        )
+        for reason in ("capacity", "expired", "pre_eviction"):
+            for partition in ("toC", "toB"):
+                self.evicted_pages.labels(partition, reason)
+        for result in ("applied", "unchanged", "invalid"):
+            self.reloads.labels(result)
+
+    def observe_admission(self, workload_class: str, cached: int, length: int, cross_user: int) -> None:
+        for region, hit, looked in region_split(cached, length):
+            self.lookup_tokens.labels(workload_class, region).inc(looked)
+            if hit:
+                self.hit_tokens.labels(workload_class, region).inc(hit)
+        if cross_user:
+            self.cross_user_hit_tokens.labels(workload_class).inc(cross_user)
+
+    def add_gauges(self, read: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(_PoolCollector(read))
+
+
+class _PoolCollector(Collector):
+    """Pages by state and partition, pins, fragmentation and the fitted decay, read at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, Any]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._read()
+        pages = GaugeMetricFamily("kvpool_pages", "Pages by state", labels=["state"])
+        for state in ("free", "in_use", "cached", "pinned"):
+            pages.add_metric([state], snap["pages"][state])
+        yield pages
+        part = GaugeMetricFamily("kvpool_partition_pages", "Pages per partition", labels=["partition", "kind"])
+        for name, values in snap["partitions"].items():
+            for kind, value in values.items():
+                part.add_metric([name, kind], value)
+        yield part
+        yield GaugeMetricFamily("kvpool_pin_quota_pages", "Most pages that may be pinned", value=snap["pin_quota"])
+        yield GaugeMetricFamily(
+            "kvpool_fragmentation_tokens", "Token slots allocated to live sequences but unused",
+            value=snap["fragmentation"],
+        )
+        yield GaugeMetricFamily("kvpool_sequences", "Live sequences", value=snap["sequences"])
+        decay = GaugeMetricFamily(
+            "kvpool_reuse_decay_per_minute", "Fitted reuse decay rate per workload class", labels=["workload_class"]
+        )
+        prob = GaugeMetricFamily(
+            "kvpool_reuse_probability", "Fitted probability that a released page is reused", labels=["workload_class"]
+        )
+        for klass, (rate, p) in snap["fits"].items():
+            decay.add_metric([klass], rate)
+            prob.add_metric([klass], p)
+        yield decay
+        yield prob

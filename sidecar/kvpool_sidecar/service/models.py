@@ -1,0 +1,119 @@
+"""Wire models (snake_case JSON) of the sidecar API."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SeqId = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:\-]+$")]
+TokenId = Annotated[int, Field(ge=0, lt=2**63)]
+BlockHash = int | Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Meta(_Wire):
+    workload_class: Annotated[str, Field(pattern=r"^(toC|toB)$")] = "toC"
+    request_type: Annotated[str, Field(min_length=1, max_length=64)] = "text"
+    turn: Annotated[int, Field(ge=0, le=100_000)] = 0
+    tenant: Annotated[str, Field(min_length=1, max_length=256)] = "default"
+    user: Annotated[str, Field(max_length=256)] = ""
+
+
+class Prompt(_Wire):
+    """Exactly one of ``tokens`` or ``block_hashes`` (precomputed ids, one per page)."""
+
+    tokens: list[TokenId] | None = Field(default=None, min_length=1, max_length=2_000_000)
+    block_hashes: list[BlockHash] | None = Field(default=None, min_length=1, max_length=200_000)
+    num_tokens: Annotated[int, Field(ge=1)] | None = None
+    meta: Meta = Field(default_factory=Meta)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> Prompt:
+        if (self.tokens is None) == (self.block_hashes is None):
+            raise ValueError("give exactly one of tokens or block_hashes")
+        return self
+
+
+class AdmitRequest(Prompt):
+    seq_id: SeqId
+
+
+class AdmitResponse(_Wire):
+    seq_id: str
+    num_cached_tokens: int
+    page_ids: list[int]
+
+
+class CommitRequest(_Wire):
+    num_computed_tokens: Annotated[int, Field(ge=0)]
+
+
+class CommitResponse(_Wire):
+    seq_id: str
+    published_pages: int
+
+
+class AppendRequest(_Wire):
+    num_new_tokens: Annotated[int, Field(ge=0, le=10_000_000)]
+
+
+class AppendResponse(_Wire):
+    seq_id: str
+    new_page_ids: list[int]
+
+
+class ForkRequest(_Wire):
+    new_seq_id: SeqId
+
+
+class ForkResponse(_Wire):
+    seq_id: str
+    page_ids: list[int]
+    copy_src: int = Field(description="page whose KV storage copies into copy_dst; -1: nothing to copy")
+    copy_dst: int
+
+
+class LookupResponse(_Wire):
+    num_cached_tokens: int
+
+
+class PinRequest(_Wire):
+    """Pin a cached prefix (``tokens`` or ``block_hashes``) or the published pages of ``seq_id``."""
+
+    tokens: list[TokenId] | None = Field(default=None, min_length=1)
+    block_hashes: list[BlockHash] | None = Field(default=None, min_length=1)
+    seq_id: SeqId | None = None
+    meta: Meta = Field(default_factory=Meta)
+    ttl_seconds: Annotated[float, Field(gt=0, le=30 * 86400)] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> PinRequest:
+        given = sum(x is not None for x in (self.tokens, self.block_hashes, self.seq_id))
+        if given != 1:
+            raise ValueError("give exactly one of tokens, block_hashes or seq_id")
+        return self
+
+
+class PinResponse(_Wire):
+    pin_id: str
+    pages: list[int]
+    expires_at: float | None
+
+
+class ErrorResponse(_Wire):
+    error: str
+    detail: str
+    field: str = ""
+
+
+class ConfigView(_Wire):
+    config: dict[str, Any]
+    hash: str
+    generation: int
+    source: dict[str, Any] | None
+    last_error: str | None
+    reloads: dict[str, int]

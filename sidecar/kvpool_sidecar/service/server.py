@@ -1,0 +1,80 @@
+"""``kvpool-sidecar serve``: build the sidecar from flags and run it under uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+from prometheus_client import start_http_server
+
+from kvpool_sidecar.config import SidecarConfig, load_config
+from kvpool_sidecar.service.app import create_app
+from kvpool_sidecar.service.state import Sidecar
+
+DEFAULT_PAGES = 65_536
+
+
+class ServeError(ValueError):
+    """A flag combination the sidecar refuses to start with."""
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    config: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    pages: int = DEFAULT_PAGES
+    token_file: str | None = None
+    metrics_host: str | None = None
+    metrics_port: int | None = None
+    log_level: str = "info"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token(options: ServeOptions) -> str | None:
+    """The bearer token: required when the control API is reachable from outside the pod."""
+    if options.token_file is None:
+        if not is_loopback(options.host):
+            raise ServeError(
+                f"--host {options.host} exposes the control API beyond localhost: give --token-file "
+                "(a mounted Secret) or bind 127.0.0.1"
+            )
+        return None
+    try:
+        token = Path(options.token_file).read_text().strip()
+    except OSError as exc:
+        raise ServeError(f"--token-file {options.token_file}: {exc.strerror}") from None
+    if len(token) < 16:
+        raise ServeError(f"--token-file {options.token_file}: the token must be at least 16 characters")
+    return token
+
+
+def build(options: ServeOptions) -> tuple[Sidecar, str | None]:
+    if options.pages < 1:
+        raise ServeError("--pages must be at least 1")
+    token = read_token(options)
+    config = load_config(options.config) if options.config else SidecarConfig()
+    sidecar = Sidecar(config, options.pages, config_path=options.config)
+    sidecar.mark_config_file_read()
+    return sidecar, token
+
+
+def serve(options: ServeOptions) -> None:
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sidecar, token = build(options)
+    separate_metrics = options.metrics_port is not None
+    if separate_metrics:
+        start_http_server(options.metrics_port, options.metrics_host or "0.0.0.0", registry=sidecar.metrics.registry)
+    app = create_app(sidecar, token=token, serve_metrics=not separate_metrics)
+    uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)

@@ -1,0 +1,282 @@
+"""One sidecar's state: the pool, the config in force, metrics, and the serialised access to both.
+
+Pool operations are plain Python that takes microseconds, but an admission that evicts thousands of
+pages or an idle pre-eviction pass takes milliseconds: every pool call therefore runs on one
+dedicated worker thread. That serialises mutations (no lock needed, no interleaving) and keeps the
+event loop free to accept and answer other requests meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kvpool_sidecar.config import ConfigError, SidecarConfig, parse_config_text, spec_hash
+from kvpool_sidecar.policies import PolicyError
+from kvpool_sidecar.pool import InvalidRequest, PagePool, WorkloadMeta
+from kvpool_sidecar.service.metrics import SidecarMetrics
+from kvpool_sidecar.workload import ClassKey, DriftEvent
+
+log = logging.getLogger("kvpool.sidecar")
+T = TypeVar("T")
+
+
+class ShadowIndex:
+    """The keys an unbounded cache would hold (hashes only, trimmed oldest-first past ``capacity``).
+
+    Its hit count is the ideal that ``kvpool_hit_tokens`` is measured against (eviction efficiency).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+
+    def admit(self, keys: list[Hashable]) -> int:
+        """Pages of ``keys`` that an unbounded cache would hit; then remembers them all."""
+        hits = 0
+        for key in keys:
+            if key not in self._keys:
+                break
+            hits += 1
+        store = self._keys
+        for key in keys:
+            store[key] = None
+            store.move_to_end(key)
+        while len(store) > self.capacity:
+            store.popitem(last=False)
+        return hits
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+@dataclass
+class ConfigState:
+    config: SidecarConfig
+    hash: str
+    last_error: str | None = None
+    reloads: dict[str, int] = field(default_factory=lambda: {"applied": 0, "unchanged": 0, "invalid": 0})
+    file_digest: str = ""
+
+
+class Sidecar:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        pages: int,
+        *,
+        config_path: str | Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        shadow_capacity: int | None = None,
+    ) -> None:
+        self.pool = PagePool(pages, config.spec(), clock=clock)
+        self.clock = clock
+        self.config_path = Path(config_path) if config_path else None
+        self.state = ConfigState(config, spec_hash(config))
+        self.metrics = SidecarMetrics()
+        self.metrics.add_gauges(self.snapshot)
+        self.shadow = ShadowIndex(shadow_capacity or max(10 * pages, 100_000))
+        self.backend: dict[str, Any] = {"storage": "none", "device": "none"}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-pool")
+        self.last_activity = time.monotonic()
+        self.pool.model.on_drift = self._on_drift
+        self.pool.model.on_reuse = self._on_reuse
+        self._set_config_metrics()
+
+    # ------------------------------------------------------------------------- serialised access
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the pool's worker thread, for a request (it resets the idle timer)."""
+        self.last_activity = time.monotonic()
+        return await self.run_background(fn, *args, **kwargs)
+
+    async def run_background(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn`` on the pool's worker thread, for housekeeping (reload, pre-eviction)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------------- pool operations
+    def admit(self, seq_id: str, tokens: list[int] | None, block_hashes: list | None, num_tokens: int | None,
+              meta: WorkloadMeta) -> Any:
+        before = dict(self.pool.evictions_by)
+        start = time.perf_counter()
+        adm = self.pool.admit(seq_id, tokens, block_hashes=block_hashes, num_tokens=num_tokens, meta=meta)
+        elapsed = time.perf_counter() - start
+        length = len(tokens) if tokens is not None else (num_tokens or len(block_hashes or ()) * self.pool.page_size)
+        m = self.metrics
+        m.observe_admission(meta.workload_class, adm.num_cached_tokens, length, adm.cross_user_tokens)
+        ideal = min(self.shadow.admit(adm.keys) * self.pool.page_size, length)
+        m.shadow_hit_tokens.labels(meta.workload_class).inc(max(ideal, adm.num_cached_tokens))
+        if adm.evicted_pages:
+            m.eviction_seconds.observe(elapsed / adm.evicted_pages)
+            self._count_evictions(before)
+        return adm
+
+    def _count_evictions(self, before: dict[tuple[str, str], int]) -> None:
+        for (partition, reason), n in self.pool.evictions_by.items():
+            delta = n - before.get((partition, reason), 0)
+            if delta:
+                self.metrics.evicted_pages.labels(partition, reason).inc(delta)
+
+    def pre_evict(self, max_pages: int) -> int:
+        before = dict(self.pool.evictions_by)
+        freed = self.pool.pre_evict(max_pages=max_pages)
+        if freed:
+            self._count_evictions(before)
+        return freed
+
+    def with_evictions(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a pool call that may evict (append, fork) and count what it evicted."""
+        before = dict(self.pool.evictions_by)
+        result = fn(*args, **kwargs)
+        self._count_evictions(before)
+        return result
+
+    def _on_reuse(self, klass: ClassKey, pages: int, gap_sum: float) -> None:
+        workload_class = klass[0] if isinstance(klass, tuple) and klass else "toC"
+        self.metrics.reuse_gap.labels(workload_class).observe(gap_sum / pages)
+
+    def _on_drift(self, event: DriftEvent) -> None:
+        workload_class = event.klass[0] if isinstance(event.klass, tuple) and event.klass else "toC"
+        self.metrics.drift_events.labels(workload_class).inc()
+        log.warning(
+            "reuse-rate drift in class %s: %.3f/min against reference %.3f/min%s", event.klass,
+            event.fitted_rate, event.reference_rate, " (adopted as the new reference)" if event.adopted else "",
+        )
+
+    # ------------------------------------------------------------------------------ reading
+    def snapshot(self) -> dict[str, Any]:
+        st = self.pool.stats()
+        fits = {}
+        for klass, (rate, p, _) in self.pool.model.classes().items():
+            if isinstance(klass, tuple) and len(klass) == 1:
+                fits[klass[0]] = (rate, p)
+        return {
+            "pages": {"free": st.free_pages, "in_use": st.in_use_pages, "cached": st.cached_pages,
+                      "pinned": st.pinned_pages},
+            "partitions": {
+                name: {"capacity": p.capacity, "owned": p.owned, "evictable": p.evictable}
+                for name, p in st.partitions.items()
+            },
+            "pin_quota": st.pin_quota_pages,
+            "fragmentation": st.fragmentation_tokens,
+            "sequences": st.sequences,
+            "fits": fits,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        st = self.pool.stats()
+        return {
+            "total_pages": st.total_pages,
+            "page_size": st.page_size,
+            "free_pages": st.free_pages,
+            "in_use_pages": st.in_use_pages,
+            "cached_pages": st.cached_pages,
+            "pinned_pages": st.pinned_pages,
+            "pin_quota_pages": st.pin_quota_pages,
+            "sequences": st.sequences,
+            "pins": st.pins,
+            "fragmentation_tokens": st.fragmentation_tokens,
+            "evictions": st.evictions,
+            "hit_tokens": st.hit_tokens,
+            "lookup_tokens": st.lookup_tokens,
+            "token_hit_ratio": st.hit_tokens / st.lookup_tokens if st.lookup_tokens else 0.0,
+            "partitions": {name: asdict(p) for name, p in st.partitions.items()},
+            "policy": self.state.config.eviction.policy,
+            "reuse_fits": {
+                "/".join(str(x) for x in k) if isinstance(k, tuple) else str(k): {
+                    "decay_per_minute": rate, "reuse_probability": p, "reuses": n}
+                for k, (rate, p, n) in self.pool.model.classes().items()
+            },
+            "backend": self.backend,
+        }
+
+    def config_view(self) -> dict[str, Any]:
+        cfg = self.state.config
+        return {
+            "config": cfg.spec().model_dump(mode="json"),
+            "hash": self.state.hash,
+            "generation": cfg.source.generation if cfg.source else 0,
+            "source": cfg.source.model_dump() if cfg.source else None,
+            "last_error": self.state.last_error,
+            "reloads": dict(self.state.reloads),
+        }
+
+    # ------------------------------------------------------------------------------- config
+    def apply_config_text(self, text: str, origin: str) -> tuple[str, str | None]:
+        """Validate and apply a config; returns (result, error). The old config stays on any error."""
+        try:
+            config = parse_config_text(text)
+        except ConfigError as exc:
+            return self.reject(f"{origin}: {exc}")
+        return self.apply_config(config, origin)
+
+    def apply_config(self, config: SidecarConfig, origin: str) -> tuple[str, str | None]:
+        new_hash = spec_hash(config)
+        same_source = config.source == self.state.config.source
+        if new_hash == self.state.hash and same_source:
+            self._count("unchanged")
+            return "unchanged", None
+        try:
+            self.pool.reconfigure(config.spec())
+        except (InvalidRequest, PolicyError) as exc:
+            return self.reject(f"{origin}: {exc}")
+        self.state.config = config
+        self.state.hash = new_hash
+        self.state.last_error = None
+        self._count("applied")
+        self._set_config_metrics()
+        log.info("config applied from %s: hash %s, policy %s", origin, new_hash, config.eviction.policy)
+        return "applied", None
+
+    def reject(self, message: str) -> tuple[str, str | None]:
+        """Record a config that was not applied; the one in force stays."""
+        self.state.last_error = message
+        self._count("invalid")
+        log.error("config rejected, keeping hash %s: %s", self.state.hash, message)
+        return "invalid", message
+
+    def _count(self, result: str) -> None:
+        self.state.reloads[result] = self.state.reloads.get(result, 0) + 1
+        self.metrics.reloads.labels(result).inc()
+
+    def _set_config_metrics(self) -> None:
+        cfg = self.state.config
+        self.metrics.config_info.clear()
+        source = f"{cfg.source.namespace}/{cfg.source.name}" if cfg.source else "local"
+        self.metrics.config_info.labels(self.state.hash, cfg.eviction.policy, source).set(1)
+        self.metrics.config_generation.set(cfg.source.generation if cfg.source else 0)
+
+    def mark_config_file_read(self) -> None:
+        """The file's current content is what the sidecar started with: do not 'reload' it."""
+        if self.config_path is not None:
+            self.state.file_digest = hashlib.sha256(self.config_path.read_bytes()).hexdigest()
+
+    def poll_config_file(self) -> str | None:
+        """Re-read the config file; apply it when its content changed. Kubelet swaps a ``..data``
+        symlink instead of rewriting the file, so the content, not the inode or mtime, is compared."""
+        if self.config_path is None:
+            return None
+        try:
+            data = self.config_path.read_bytes()
+        except OSError as exc:
+            message = f"{self.config_path}: cannot read: {exc.strerror}"
+            if self.state.last_error != message:
+                self.reject(message)
+            return "invalid"
+        digest = hashlib.sha256(data).hexdigest()
+        if digest == self.state.file_digest:
+            return None
+        self.state.file_digest = digest
+        return self.apply_config_text(data.decode("utf-8", errors="replace"), str(self.config_path))[0]

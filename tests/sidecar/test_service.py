@@ -1,0 +1,181 @@
+"""The sidecar API over real HTTP against a live server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+from kvpool_sidecar.client import SidecarClient, SidecarError
+from kvpool_sidecar.config import SidecarConfig
+from kvpool_sidecar.service.server import ServeError, ServeOptions, build
+from support import live_sidecar
+
+PROMPT = list(range(1, 18))  # 17 tokens: 4 full pages of 4 and a partial one
+
+
+def test_admit_commit_release_and_prefix_reuse(sidecar_url):
+    url, sidecar = sidecar_url
+    with SidecarClient(url) as c:
+        first = c.admit("a", PROMPT, meta={"user": "alice"})
+        assert first.num_cached_tokens == 0 and len(first.page_ids) == 5
+        assert c.commit("a", 17) == 4
+        c.release("a")
+        second = c.admit("b", PROMPT[:16] + [99], meta={"user": "bob"})
+        assert second.num_cached_tokens == 16 and second.page_ids[:4] == first.page_ids[:4]
+        assert c.lookup(PROMPT) == 16
+        c.release("b")
+        stats = c.stats()
+        assert stats["cached_pages"] == 4 and stats["in_use_pages"] == 0 and stats["sequences"] == 0
+        assert stats["backend"]["storage"] == "none"
+        metrics = c.metrics()
+    assert 'kvpool_hit_tokens_total{region="prefix",workload_class="toC"} 5.0' in metrics
+    assert 'kvpool_cross_user_hit_tokens_total{workload_class="toC"} 16.0' in metrics
+    sidecar.pool.check_invariants()
+
+
+def test_fork_append_and_block_hashes(sidecar_url):
+    url, _ = sidecar_url
+    with SidecarClient(url) as c:
+        c.admit("a", block_hashes=[11, 12, "x13"], num_tokens=10)
+        c.commit("a", 10)
+        forked = c.fork("a", "a2")
+        assert forked.copy_src != -1 and forked.copy_dst not in (forked.page_ids[:2])
+        assert len(c.append("a2", 3)) == 1
+        c.release("a")
+        c.release("a2")
+        assert c.lookup(block_hashes=[11, 12]) == 8
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "error", "field"),
+    [
+        ("POST", "/v1/sequences", {"seq_id": "a", "tokens": [1]}, 409, "duplicate_sequence", "seq_id"),
+        ("POST", "/v1/sequences", {"seq_id": "n", "tokens": [1], "block_hashes": [1]}, 422, "invalid_request", ""),
+        ("POST", "/v1/sequences", {"seq_id": "n", "tokens": [-1]}, 422, "invalid_request", "tokens.0"),
+        ("POST", "/v1/sequences", {"seq_id": "n", "tokens": []}, 422, "invalid_request", "tokens"),
+        ("POST", "/v1/sequences", {"seq_id": "bad id!", "tokens": [1]}, 422, "invalid_request", "seq_id"),
+        ("POST", "/v1/sequences", {"seq_id": "n", "tokens": [1], "meta": {"workload_class": "x"}}, 422,
+         "invalid_request", "meta.workload_class"),
+        ("POST", "/v1/sequences", {"seq_id": "n", "tokens": [1], "extra": 1}, 422, "invalid_request", "extra"),
+        ("POST", "/v1/sequences", {"seq_id": "n", "tokens": list(range(2000))}, 503, "pool_exhausted", ""),
+        ("POST", "/v1/sequences", {"seq_id": "n", "block_hashes": [1, 2], "num_tokens": 99}, 422,
+         "invalid_request", "num_tokens"),
+        ("POST", "/v1/sequences/zz/commit", {"num_computed_tokens": 1}, 404, "unknown_sequence", "seq_id"),
+        ("POST", "/v1/sequences/a/commit", {"num_computed_tokens": 99}, 422, "invalid_request",
+         "num_computed_tokens"),
+        ("POST", "/v1/sequences/a/append", {"num_new_tokens": -1}, 422, "invalid_request", "num_new_tokens"),
+        ("POST", "/v1/sequences/a/fork", {"new_seq_id": "a"}, 409, "duplicate_sequence", "new_seq_id"),
+        ("DELETE", "/v1/sequences/zz", None, 404, "unknown_sequence", "seq_id"),
+        ("POST", "/v1/pins", {"seq_id": "a", "tokens": [1]}, 422, "invalid_request", ""),
+        ("POST", "/v1/pins", {"tokens": [7, 7, 7, 7]}, 422, "invalid_request", "tokens"),
+        ("POST", "/v1/pins", {"seq_id": "a", "ttl_seconds": 0}, 422, "invalid_request", "ttl_seconds"),
+        ("DELETE", "/v1/pins/pin-999", None, 404, "unknown_pin", "pin_id"),
+        ("GET", "/v1/nothing", None, 404, "http_error", ""),
+    ],
+)
+def test_error_paths_answer_json_and_change_nothing(sidecar_url, method, path, body, status, error, field):
+    url, sidecar = sidecar_url
+    with SidecarClient(url) as c:
+        c.admit("a", PROMPT)
+        c.commit("a", 8)
+        before = (c.stats(), sidecar.pool.pins)
+        response = httpx.request(method, url + path, json=body)
+        assert response.status_code == status, response.text
+        assert response.json() == {"error": error, "detail": response.json()["detail"], "field": field}
+        assert response.json()["detail"]
+        after = (c.stats(), sidecar.pool.pins)
+    assert after == before
+    sidecar.pool.check_invariants()
+
+
+def test_invalid_json_and_wrong_content_are_400(sidecar_url):
+    url, _ = sidecar_url
+    r = httpx.post(url + "/v1/sequences", content=b"{bad", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"] == "invalid_json"
+    r = httpx.post(url + "/v1/sequences", content=b"seq_id=a")
+    assert r.status_code == 400 and "application/json" in r.json()["detail"]
+
+
+def test_pins_and_quota_over_http():
+    config = SidecarConfig.model_validate(
+        {"pageSize": 4, "eviction": {"policy": "lru"}, "pinning": {"quotaPercent": 2, "autoPin": {"enabled": False}}}
+    )
+    with live_sidecar(config, pages=100) as (url, sidecar), SidecarClient(url) as c:  # quota: 2 pages
+        c.admit("a", PROMPT)
+        c.commit("a", 17)
+        c.release("a")
+        pin = c.pin(PROMPT[:8], ttl_seconds=60)
+        assert len(pin["pages"]) == 2 and pin["expires_at"] is not None
+        with pytest.raises(SidecarError) as err:
+            c.pin(PROMPT)
+        assert err.value.status == 409 and err.value.field == "pinning.quotaPercent"
+        c.unpin(pin["pin_id"])
+        assert c.stats()["pinned_pages"] == 0
+
+
+def test_bearer_token_is_required_when_configured():
+    token = "s3cret-token-0123456789"
+    with live_sidecar(token=token) as (url, _):
+        r = httpx.get(url + "/v1/stats")
+        assert r.status_code == 401 and r.json()["field"] == "authorization"
+        assert httpx.get(url + "/v1/stats", headers={"authorization": "Bearer wrong"}).status_code == 401
+        with SidecarClient(url, token=token) as c:
+            assert c.stats()["total_pages"] == 256
+        assert httpx.get(url + "/healthz").status_code == 200  # probes stay open
+
+
+def test_serve_refuses_to_expose_the_api_without_a_token(tmp_path):
+    with pytest.raises(ServeError, match="--token-file"):
+        build(ServeOptions(host="0.0.0.0"))
+    short = tmp_path / "token"
+    short.write_text("abc")
+    with pytest.raises(ServeError, match="at least 16"):
+        build(ServeOptions(host="0.0.0.0", token_file=str(short)))
+    short.write_text("a-long-enough-token-value")
+    sidecar, token = build(ServeOptions(host="0.0.0.0", token_file=str(short), pages=64))
+    assert token == "a-long-enough-token-value" and sidecar.pool.total_pages == 64
+    sidecar.close()
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvpool_sidecar.cli", "serve", "--host", "0.0.0.0", "--port", "1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2 and "--token-file" in proc.stderr
+
+
+def test_concurrent_clients_keep_the_pool_consistent(sidecar_url):
+    url, sidecar = sidecar_url
+    errors: list[Exception] = []
+
+    def worker(w: int) -> None:
+        try:
+            with SidecarClient(url) as c:
+                for i in range(40):
+                    seq = f"w{w}-{i}"
+                    tokens = [w % 3] * 8 + [i % 5] * 8 + [w, i]
+                    c.admit(seq, tokens)
+                    c.commit(seq, len(tokens))
+                    c.release(seq)
+        except Exception as exc:  # collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    stats = SidecarClient(url).stats()
+    assert stats["sequences"] == 0 and stats["free_pages"] + stats["cached_pages"] == stats["total_pages"]
+    sidecar.pool.check_invariants()
+
+
+def test_openapi_schema_lists_every_route(sidecar_url):
+    url, _ = sidecar_url
+    paths = httpx.get(url + "/openapi.json").json()["paths"]
+    for path in ("/v1/sequences", "/v1/sequences/{seq_id}/commit", "/v1/sequences/{seq_id}/append",
+                 "/v1/sequences/{seq_id}/fork", "/v1/sequences/{seq_id}", "/v1/lookup", "/v1/pins",
+                 "/v1/pins/{pin_id}", "/v1/stats", "/v1/config", "/healthz", "/readyz"):
+        assert path in paths

@@ -1,0 +1,55 @@
+"""Test helpers: a live sidecar (uvicorn on 127.0.0.1, a free port) in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import uvicorn
+from kvpool_sidecar.config import SidecarConfig, load_config
+from kvpool_sidecar.service.app import create_app
+from kvpool_sidecar.service.state import Sidecar
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def live_sidecar(
+    config: SidecarConfig | None = None, *, pages: int = 256, config_path: Path | None = None,
+    token: str | None = None, poll_interval: float = 0.1, pre_evict_interval: float = 0.0,
+) -> Iterator[tuple[str, Sidecar]]:
+    if config is None:
+        config = load_config(config_path) if config_path else SidecarConfig.model_validate(
+            {"pageSize": 4, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}}}
+        )
+    sidecar = Sidecar(config, pages, config_path=config_path)
+    sidecar.mark_config_file_read()
+    app = create_app(sidecar, token=token, poll_interval=poll_interval, pre_evict_interval=pre_evict_interval)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/healthz", timeout=0.5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    else:
+        raise RuntimeError("sidecar did not start")
+    try:
+        yield url, sidecar
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
