@@ -22,7 +22,7 @@ from kvpool_sidecar.service import models as m
 from kvpool_sidecar.service.state import Sidecar
 
 log = logging.getLogger("kvpool.sidecar")
-PRE_EVICT_BATCH = 4096  # pages per idle step: bounded, so a request never waits long behind one
+PRE_EVICT_BATCH = 256  # pages per idle step (about a millisecond): a request never waits long behind one
 IDLE_SECONDS = 0.5
 
 
@@ -97,7 +97,8 @@ def create_app(
         if first.get("type") == "json_invalid":
             return _error(400, "invalid_json", f"the body is not valid JSON: {first.get('msg')}", "body")
         if first.get("type") == "model_attributes_type" and not loc:
-            return _error(400, "invalid_json", "the body must be a JSON object (Content-Type: application/json)", "body")
+            detail = "the body must be a JSON object (Content-Type: application/json)"
+            return _error(400, "invalid_json", detail, "body")
         msg = first.get("msg", "invalid").removeprefix("Value error, ")
         return _error(422, "invalid_request", msg, ".".join(loc))
 
@@ -110,7 +111,8 @@ def create_app(
     @app.post("/v1/sequences", response_model=m.AdmitResponse, dependencies=v1, tags=["sequences"])
     async def admit(body: m.AdmitRequest) -> m.AdmitResponse:
         adm = await sidecar.run(
-            sidecar.admit, body.seq_id, body.tokens, body.block_hashes, body.num_tokens, _meta(body.meta)
+            sidecar.admit, body.seq_id, body.tokens, body.block_hashes, body.num_tokens, _meta(body.meta),
+            heavy=sidecar.is_heavy(body.tokens, body.block_hashes, body.num_tokens),
         )
         return m.AdmitResponse(seq_id=adm.seq_id, num_cached_tokens=adm.num_cached_tokens, page_ids=adm.page_ids)
 
@@ -133,6 +135,13 @@ def create_app(
     async def release(seq_id: str) -> Response:
         await sidecar.run(sidecar.pool.release, seq_id)
         return Response(status_code=204)
+
+    @app.post("/v1/batch", response_model=m.BatchResponse, dependencies=v1, tags=["sequences"])
+    async def batch(body: m.BatchRequest) -> m.BatchResponse:
+        heavy = any(
+            op.op == "admit" and sidecar.is_heavy(op.tokens, op.block_hashes, op.num_tokens) for op in body.ops
+        )
+        return await sidecar.run(_apply_batch, sidecar, body.ops, heavy=heavy)
 
     @app.post("/v1/lookup", response_model=m.LookupResponse, dependencies=v1, tags=["sequences"])
     async def lookup(body: m.Prompt) -> m.LookupResponse:
@@ -170,7 +179,7 @@ def create_app(
         except ConfigError as exc:
             await sidecar.run(sidecar.reject, f"PUT /v1/config: {exc}")
             raise ApiError(422, "invalid_config", str(exc), exc.field) from None
-        result, error = await sidecar.run(sidecar.apply_config, config, "PUT /v1/config")
+        result, error = await sidecar.run(sidecar.apply_config, config, "PUT /v1/config", heavy=True)
         if error:
             field = "pageSize" if "pageSize" in error else ""
             raise ApiError(409 if field else 422, "config_refused", error, field)
@@ -194,10 +203,34 @@ def create_app(
     return app
 
 
+def _apply_batch(sidecar: Sidecar, ops: list) -> m.BatchResponse:
+    results = []
+    pool = sidecar.pool
+    for op in ops:
+        try:
+            if op.op == "admit":
+                adm = sidecar.admit(op.seq_id, op.tokens, op.block_hashes, op.num_tokens, _meta(op.meta))
+                out: dict[str, Any] = {"seq_id": adm.seq_id, "num_cached_tokens": adm.num_cached_tokens,
+                                       "page_ids": adm.page_ids}
+            elif op.op == "commit":
+                out = {"seq_id": op.seq_id, "published_pages": pool.commit(op.seq_id, op.num_computed_tokens)}
+            elif op.op == "append":
+                out = {"seq_id": op.seq_id,
+                       "new_page_ids": sidecar.with_evictions(pool.append, op.seq_id, op.num_new_tokens)}
+            else:
+                pool.release(op.seq_id)
+                out = {"seq_id": op.seq_id}
+            results.append(m.BatchResult(ok=True, result=out))
+        except PoolError as exc:
+            error = m.ErrorResponse(error=_error_name(exc), detail=str(exc), field=exc.field)
+            results.append(m.BatchResult(ok=False, error=error))
+    return m.BatchResponse(results=results)
+
+
 async def _watch_config(sidecar: Sidecar, interval: float) -> None:
     while True:
         try:
-            await sidecar.run_background(sidecar.poll_config_file)
+            await sidecar.run_background(sidecar.poll_config_file, heavy=True)
         except Exception:  # the watcher must outlive any surprise; the error is logged
             log.exception("config watch failed")
         await asyncio.sleep(interval)
@@ -206,12 +239,13 @@ async def _watch_config(sidecar: Sidecar, interval: float) -> None:
 async def _pre_evict_when_idle(sidecar: Sidecar, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
-        if time.monotonic() - sidecar.last_activity < IDLE_SECONDS:
-            continue
-        try:
-            freed = await sidecar.run_background(sidecar.pre_evict, PRE_EVICT_BATCH)
-        except Exception:
-            log.exception("pre-eviction failed")
-            continue
-        if freed:
-            log.debug("pre-evicted %d expired pages", freed)
+        # Small steps while the pool stays idle, yielding to requests between them.
+        while time.monotonic() - sidecar.last_activity >= IDLE_SECONDS:
+            try:
+                freed = await sidecar.run_background(sidecar.pre_evict, PRE_EVICT_BATCH)
+            except Exception:
+                log.exception("pre-eviction failed")
+                break
+            if freed < PRE_EVICT_BATCH:
+                break
+            await asyncio.sleep(0)

@@ -1,9 +1,11 @@
 """One sidecar's state: the pool, the config in force, metrics, and the serialised access to both.
 
-Pool operations are plain Python that takes microseconds, but an admission that evicts thousands of
-pages or an idle pre-eviction pass takes milliseconds: every pool call therefore runs on one
-dedicated worker thread. That serialises mutations (no lock needed, no interleaving) and keeps the
-event loop free to accept and answer other requests meanwhile.
+Pool operations are plain Python that take microseconds to a few hundred microseconds: they run
+inline on the event loop under an asyncio lock, which serialises them without a thread hop (a
+thread would make every call wait for the GIL behind the other). Work that can take milliseconds
+(an admission that evicts thousands of pages, a policy switch that re-inserts every cached page)
+runs on a worker thread while holding the same lock, so the loop keeps answering probes and scrapes
+meanwhile; idle pre-eviction runs in small bounded steps.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from kvpool_sidecar.workload import ClassKey, DriftEvent
 
 log = logging.getLogger("kvpool.sidecar")
 T = TypeVar("T")
+HEAVY_PAGES = 2048  # an admission of this many pages may evict as many: ~10 ms, off the event loop
 
 
 class ShadowIndex:
@@ -87,21 +90,33 @@ class Sidecar:
         self.shadow = ShadowIndex(shadow_capacity or max(10 * pages, 100_000))
         self.backend: dict[str, Any] = {"storage": "none", "device": "none"}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-pool")
+        self._lock = asyncio.Lock()
         self.last_activity = time.monotonic()
         self.pool.model.on_drift = self._on_drift
         self.pool.model.on_reuse = self._on_reuse
         self._set_config_metrics()
 
     # ------------------------------------------------------------------------- serialised access
-    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn`` on the pool's worker thread, for a request (it resets the idle timer)."""
+    async def run(self, fn: Callable[..., T], *args: Any, heavy: bool = False, **kwargs: Any) -> T:
+        """Run a pool call for a request (it resets the idle timer); ``heavy`` ones go to the thread."""
         self.last_activity = time.monotonic()
-        return await self.run_background(fn, *args, **kwargs)
+        return await self.run_background(fn, *args, heavy=heavy, **kwargs)
 
-    async def run_background(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run ``fn`` on the pool's worker thread, for housekeeping (reload, pre-eviction)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
+    async def run_background(self, fn: Callable[..., T], *args: Any, heavy: bool = False, **kwargs: Any) -> T:
+        """Run a pool call under the lock: inline, or on the worker thread when ``heavy``."""
+        async with self._lock:
+            if not heavy:
+                return fn(*args, **kwargs)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
+
+    def is_heavy(self, tokens: list | None, block_hashes: list | None, num_tokens: int | None) -> bool:
+        """Whether an admission may evict enough pages to be worth a thread hop."""
+        if tokens is not None:
+            pages = len(tokens) // self.pool.page_size
+        else:
+            pages = len(block_hashes or ())
+        return pages >= HEAVY_PAGES
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
