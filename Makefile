@@ -5,9 +5,15 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint bench venv clean
+.PHONY: test lint bench venv clean system-deps
 
 venv: $(STAMP)
+
+# Real services beat mocks: the metrics tests scrape with a real Prometheus and check with promtool.
+system-deps:
+	@command -v promtool >/dev/null 2>&1 || { \
+		echo "installing prometheus (Debian package) for the metrics tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar operator tests bench
 	$(VENV)/bin/lint-imports
 
-test: lint
+test: lint system-deps
 	$(VENV)/bin/pytest
 
 bench: $(STAMP)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpool_sidecar.config import ConfigError, validate_config
+from kvpool_sidecar.config import ConfigError, SidecarConfig, validate_config
 from kvpool_sidecar.pool import PoolError, WorkloadMeta
 from kvpool_sidecar.service import models as m
 from kvpool_sidecar.service.state import Sidecar
@@ -55,7 +55,9 @@ def create_app(
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(_watch_config(sidecar, poll_interval))]
+        tasks = []
+        if sidecar.config_path is not None:
+            tasks.append(asyncio.create_task(_watch_config(sidecar, poll_interval)))
         if pre_evict_interval > 0:
             tasks.append(asyncio.create_task(_pre_evict_when_idle(sidecar, pre_evict_interval)))
         try:
@@ -64,7 +66,6 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            sidecar.close()
 
     app = FastAPI(
         title="kvpool sidecar",
@@ -103,8 +104,15 @@ def create_app(
         return _error(422, "invalid_request", msg, ".".join(loc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, "http_error", str(exc.detail))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = _error(exc.status_code, "http_error", str(exc.detail))
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names only the first route's methods; a path may have several routes.
+            methods = sorted({meth for route in app.routes if getattr(route, "path", None) == request.url.path
+                              for meth in getattr(route, "methods", ()) or ()} - {"HEAD"})
+            response.headers["allow"] = ", ".join(methods)
+        return response
 
     v1 = [Depends(authorize)]
 
@@ -172,8 +180,15 @@ def create_app(
     async def get_config() -> dict[str, Any]:
         return sidecar.config_view()
 
-    @app.put("/v1/config", response_model=m.ConfigView, dependencies=v1, tags=["config"])
-    async def put_config(body: dict[str, Any]) -> dict[str, Any]:
+    @app.put("/v1/config", response_model=m.ConfigView, dependencies=v1, tags=["config"],
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/SidecarConfig"}}}}})
+    async def put_config(request: Request) -> dict[str, Any]:
+        # Validated by the same function as the file, so both name the field and rule alike.
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, "invalid_json", "the body is not valid JSON", "body") from None
         try:
             config = validate_config(body)
         except ConfigError as exc:
@@ -193,6 +208,21 @@ def create_app(
     async def readyz() -> dict[str, str]:
         # The sidecar starts only with a valid config and never drops it: once serving, it is ready.
         return {"status": "ready", "config_hash": sidecar.state.hash}
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            config_schema = SidecarConfig.model_json_schema(ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(config_schema.pop("$defs", {}))
+            components["SidecarConfig"] = config_schema
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     if serve_metrics:
 

@@ -12,7 +12,8 @@ BlockHash = int | Annotated[str, Field(min_length=1, max_length=128)]
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: "5" is not a token count. The schema says what is accepted, exactly.
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Meta(_Wire):
@@ -23,12 +24,18 @@ class Meta(_Wire):
     user: Annotated[str, Field(max_length=256)] = ""
 
 
+_ONE_PROMPT = {"oneOf": [{"required": ["tokens"]}, {"required": ["block_hashes"]}]}
+
+
 class Prompt(_Wire):
     """Exactly one of ``tokens`` or ``block_hashes`` (precomputed ids, one per page)."""
 
-    tokens: list[TokenId] | None = Field(default=None, min_length=1, max_length=2_000_000)
-    block_hashes: list[BlockHash] | None = Field(default=None, min_length=1, max_length=200_000)
-    num_tokens: Annotated[int, Field(ge=1)] | None = None
+    model_config = ConfigDict(json_schema_extra=_ONE_PROMPT)
+
+    # Absent means None; an explicit null is not accepted (the schema says list), hence no Optional.
+    tokens: list[TokenId] = Field(default=None, min_length=1, max_length=2_000_000)  # type: ignore[assignment]
+    block_hashes: list[BlockHash] = Field(default=None, min_length=1, max_length=200_000)  # type: ignore[assignment]
+    num_tokens: Annotated[int, Field(ge=1)] = None  # type: ignore[assignment]
     meta: Meta = Field(default_factory=Meta)
 
     @model_validator(mode="after")
@@ -84,11 +91,15 @@ class LookupResponse(_Wire):
 class PinRequest(_Wire):
     """Pin a cached prefix (``tokens`` or ``block_hashes``) or the published pages of ``seq_id``."""
 
-    tokens: list[TokenId] | None = Field(default=None, min_length=1)
-    block_hashes: list[BlockHash] | None = Field(default=None, min_length=1)
-    seq_id: SeqId | None = None
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": [k]} for k in ("tokens", "block_hashes", "seq_id")]}
+    )
+
+    tokens: list[TokenId] = Field(default=None, min_length=1)  # type: ignore[assignment]
+    block_hashes: list[BlockHash] = Field(default=None, min_length=1)  # type: ignore[assignment]
+    seq_id: SeqId = None  # type: ignore[assignment]
     meta: Meta = Field(default_factory=Meta)
-    ttl_seconds: Annotated[float, Field(gt=0, le=30 * 86400)] | None = None
+    ttl_seconds: Annotated[float, Field(gt=0, le=30 * 86400)] = None  # type: ignore[assignment]
 
     @model_validator(mode="after")
     def _one_of(self) -> PinRequest:

@@ -77,4 +77,7 @@ def serve(options: ServeOptions) -> None:
     if separate_metrics:
         start_http_server(options.metrics_port, options.metrics_host or "0.0.0.0", registry=sidecar.metrics.registry)
     app = create_app(sidecar, token=token, serve_metrics=not separate_metrics)
-    uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
+    try:
+        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
+    finally:
+        sidecar.close()
