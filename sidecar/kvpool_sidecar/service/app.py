@@ -136,7 +136,7 @@ def create_app(
 
     @app.post("/v1/sequences/{seq_id}/fork", response_model=m.ForkResponse, dependencies=v1, tags=["sequences"])
     async def fork(seq_id: str, body: m.ForkRequest) -> m.ForkResponse:
-        res = await sidecar.run(sidecar.with_evictions, sidecar.pool.fork, seq_id, body.new_seq_id)
+        res = await sidecar.run(sidecar.fork, seq_id, body.new_seq_id)
         return m.ForkResponse(seq_id=res.seq_id, page_ids=res.page_ids, copy_src=res.copy_src, copy_dst=res.copy_dst)
 
     @app.delete("/v1/sequences/{seq_id}", status_code=204, dependencies=v1, tags=["sequences"])
@@ -199,6 +199,16 @@ def create_app(
             field = "pageSize" if "pageSize" in error else ""
             raise ApiError(409 if field else 422, "config_refused", error, field)
         return sidecar.config_view()
+
+    @app.get("/v1/storage/handle", dependencies=v1, tags=["storage"])
+    async def storage_handle() -> dict[str, Any]:
+        """What the engine needs to map the pool's KV tensor (see kvpool_sidecar.storage.tensors)."""
+        if sidecar.storage is None:
+            raise ApiError(404, "no_storage", "this sidecar keeps bookkeeping only: start it with --kv-shape")
+        try:
+            return sidecar.storage.handle()
+        except (RuntimeError, NotImplementedError) as exc:
+            raise ApiError(404, "no_storage", str(exc)) from None
 
     @app.get("/healthz", tags=["status"])
     async def healthz() -> dict[str, str]:

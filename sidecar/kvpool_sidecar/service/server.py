@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.service.app import create_app
 from kvpool_sidecar.service.state import Sidecar
+from kvpool_sidecar.storage import KVStorage, ModelShape
 
 DEFAULT_PAGES = 65_536
 
@@ -31,6 +32,7 @@ class ServeOptions:
     metrics_host: str | None = None
     metrics_port: int | None = None
     log_level: str = "info"
+    kv_shape: str | None = None  # "layers,kv_heads,head_dim[,dtype]": allocate the KV tensors too
 
 
 def is_loopback(host: str) -> bool:
@@ -60,12 +62,25 @@ def read_token(options: ServeOptions) -> str | None:
     return token
 
 
+def parse_shape(text: str) -> ModelShape:
+    parts = text.split(",")
+    if len(parts) not in (3, 4):
+        raise ServeError("--kv-shape must be layers,kv_heads,head_dim[,dtype], e.g. 32,8,128,bfloat16")
+    try:
+        return ModelShape(int(parts[0]), int(parts[1]), int(parts[2]), *parts[3:])
+    except ValueError as exc:
+        raise ServeError(f"--kv-shape: {exc}") from None
+
+
 def build(options: ServeOptions) -> tuple[Sidecar, str | None]:
     if options.pages < 1:
         raise ServeError("--pages must be at least 1")
     token = read_token(options)
     config = load_config(options.config) if options.config else SidecarConfig()
-    sidecar = Sidecar(config, options.pages, config_path=options.config)
+    storage = None
+    if options.kv_shape:
+        storage = KVStorage(parse_shape(options.kv_shape), config.pageSize, pages=options.pages, shared=True)
+    sidecar = Sidecar(config, options.pages, config_path=options.config, storage=storage)
     sidecar.mark_config_file_read()
     return sidecar, token
 

@@ -26,6 +26,7 @@ from kvpool_sidecar.config import ConfigError, SidecarConfig, parse_config_text,
 from kvpool_sidecar.policies import PolicyError
 from kvpool_sidecar.pool import InvalidRequest, PagePool, WorkloadMeta
 from kvpool_sidecar.service.metrics import SidecarMetrics
+from kvpool_sidecar.storage import KVStorage
 from kvpool_sidecar.workload import ClassKey, DriftEvent
 
 log = logging.getLogger("kvpool.sidecar")
@@ -80,6 +81,7 @@ class Sidecar:
         config_path: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
         shadow_capacity: int | None = None,
+        storage: KVStorage | None = None,
     ) -> None:
         self.pool = PagePool(pages, config.spec(), clock=clock)
         self.clock = clock
@@ -88,7 +90,8 @@ class Sidecar:
         self.metrics = SidecarMetrics()
         self.metrics.add_gauges(self.snapshot)
         self.shadow = ShadowIndex(shadow_capacity or max(10 * pages, 100_000))
-        self.backend: dict[str, Any] = {"storage": "none", "device": "none"}
+        self.storage = storage
+        self.backend: dict[str, Any] = storage.describe() if storage else {"storage": "none", "kernels": "none"}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-pool")
         self._lock = asyncio.Lock()
         self.last_activity = time.monotonic()
@@ -120,6 +123,15 @@ class Sidecar:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        if self.storage is not None:
+            self.storage.close()
+
+    def fork(self, seq_id: str, new_seq_id: str) -> Any:
+        """Fork, and copy the partial last page's KV when this sidecar holds the KV storage."""
+        result = self.with_evictions(self.pool.fork, seq_id, new_seq_id)
+        if self.storage is not None and result.copy_src >= 0:
+            self.storage.copy_pages([result.copy_src], [result.copy_dst])
+        return result
 
     # ------------------------------------------------------------------------- pool operations
     def admit(self, seq_id: str, tokens: list[int] | None, block_hashes: list | None, num_tokens: int | None,

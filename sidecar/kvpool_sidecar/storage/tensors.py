@@ -1,0 +1,243 @@
+"""The pool's pages as one torch tensor, shareable with the inference engine's process.
+
+Handshake (the engine's side is :meth:`KVStorage.attach`):
+
+1. The sidecar allocates the pool and serves ``GET /v1/storage/handle``: a JSON handle with the
+   shape, dtype, page size, the sharing mechanism and the pool's *epoch* (a random 64-bit number
+   drawn at allocation).
+2. The engine attaches: on CPU it maps the named POSIX shared-memory segment (on CUDA it would open
+   a CUDA IPC handle: not built yet). Both sides then address the same bytes; page ids from the pool
+   API index it.
+3. The segment starts with a header holding a magic number and the epoch. A sidecar restart
+   allocates a new segment with a new epoch (the old name is unlinked): an engine that attaches with
+   an old handle, or whose mapping outlived the pool, gets :class:`StaleHandle` and must fetch a new
+   handle (its cached pages are gone with the old pool anyway).
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+import sys
+from dataclasses import asdict, dataclass
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import torch
+
+from kvpool_sidecar.storage import reference
+from kvpool_sidecar.storage.backend import Backend, choose_backend
+
+MAGIC = 0x4B56504F4F4C3031  # "KVPOOL01"
+HEADER = struct.Struct("<QQ")  # magic, epoch
+HEADER_BYTES = 64  # keeps the data 64-byte aligned
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES["float8_e4m3fn"] = torch.float8_e4m3fn
+
+
+class StaleHandle(RuntimeError):
+    """The handle names a pool that no longer exists (the sidecar restarted): fetch a new one."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def bytes_per_token(self) -> int:
+        """K and V of one token across all layers."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.torch_dtype.itemsize
+
+    def bytes_per_page(self, page_size: int) -> int:
+        return self.bytes_per_token() * page_size
+
+
+class KVStorage:
+    """``kv[page, layer, k_or_v, slot, kv_head, head_dim]`` on CUDA when available, else CPU."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        page_size: int,
+        *,
+        pages: int | None = None,
+        memory_bytes: int | None = None,
+        device: str | None = None,
+        backend: str | None = None,
+        shared: bool = False,
+    ) -> None:
+        if (pages is None) == (memory_bytes is None):
+            raise ValueError("give exactly one of pages or memory_bytes")
+        self.shape = shape
+        self.page_size = page_size
+        if pages is None:
+            assert memory_bytes is not None
+            pages = memory_bytes // shape.bytes_per_page(page_size)
+        if pages < 1:
+            raise ValueError("the budget does not hold a single page")
+        self.num_pages = pages
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.backend = choose_backend(self.device, backend)
+        self.epoch = secrets.randbits(63)
+        dims = (pages, shape.layers, 2, page_size, shape.kv_heads, shape.head_dim)
+        self._shm: shared_memory.SharedMemory | None = None
+        if shared and self.device.type == "cpu":
+            nbytes = HEADER_BYTES + pages * shape.bytes_per_page(page_size)
+            self._shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"kvpool-{self.epoch:x}")
+            HEADER.pack_into(self._shm.buf, 0, MAGIC, self.epoch)
+            self.kv = _tensor_on(self._shm, dims, shape.torch_dtype)
+            self.kv.zero_()
+        else:
+            self.kv = torch.zeros(dims, dtype=shape.torch_dtype, device=self.device)
+        self._kernels: Any = reference
+        if self.backend is not Backend.TORCH:
+            from kvpool_sidecar.storage import kernels
+
+            self._kernels = kernels
+
+    # ------------------------------------------------------------------------------- reporting
+    def describe(self) -> dict[str, Any]:
+        return {
+            "storage": "torch",
+            "device": str(self.device),
+            "kernels": self.backend.value,
+            "pages": self.num_pages,
+            "bytes_per_page": self.shape.bytes_per_page(self.page_size),
+            "bytes_per_token": self.shape.bytes_per_token(),
+            "shared": self._shm is not None or self.device.type == "cuda",
+            "epoch": self.epoch,
+        }
+
+    # --------------------------------------------------------------------------------- moving
+    def _ids(self, ids: Any) -> torch.Tensor:
+        t = torch.as_tensor(ids, dtype=torch.int64, device=self.device)
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_pages):
+            raise IndexError(f"page ids must be in [0, {self.num_pages})")
+        return t
+
+    def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, slots: Any) -> None:
+        """KV of new tokens of ``layer`` into their slots (``page * page_size + offset``, -1 skips)."""
+        if not 0 <= layer < self.shape.layers:
+            raise IndexError(f"layer must be in [0, {self.shape.layers})")
+        slots_t = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
+        if slots_t.numel() and int(slots_t.max()) >= self.num_pages * self.page_size:
+            raise IndexError("a slot is past the last page")
+        self._kernels.write_kv(self.kv, layer, key.to(self.device, self.kv.dtype), value.to(self.device, self.kv.dtype),
+                               slots_t)
+
+    def copy_pages(self, src: Any, dst: Any) -> None:
+        self._kernels.copy_pages(self.kv, self._ids(src), self._ids(dst))
+
+    def gather_pages(self, pages: Any, pin_host: bool = False) -> torch.Tensor:
+        """Pages packed into one contiguous [n, page_elements] buffer; on the host (pinned when CUDA
+        is present) with ``pin_host``, for offload or transfer to another pod."""
+        out = self._kernels.gather_pages(self.kv, self._ids(pages))
+        if pin_host and self.device.type == "cuda":
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=False)
+            return host
+        return out
+
+    def scatter_pages(self, pages: Any, buffer: torch.Tensor) -> None:
+        ids = self._ids(pages)
+        row = self.kv[0].numel()
+        if buffer.numel() != len(ids) * row:
+            raise ValueError(f"buffer holds {buffer.numel()} elements, {len(ids)} pages need {len(ids) * row}")
+        if buffer.dtype != self.kv.dtype:
+            raise TypeError(f"buffer dtype {buffer.dtype} is not the pool's {self.kv.dtype}")
+        self._kernels.scatter_pages(self.kv, ids, buffer.to(self.device).view(len(ids), row))
+
+    # -------------------------------------------------------------------------------- sharing
+    def handle(self) -> dict[str, Any]:
+        """What another process needs to attach (JSON-serialisable)."""
+        info: dict[str, Any] = {
+            "shape": asdict(self.shape),
+            "page_size": self.page_size,
+            "pages": self.num_pages,
+            "epoch": self.epoch,
+        }
+        if self._shm is not None:
+            info["kind"] = "shm"
+            info["name"] = self._shm.name
+        elif self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            raise NotImplementedError("CUDA IPC sharing is designed (see the module doc) but not built yet")
+        else:
+            raise RuntimeError("this pool was not allocated shared (shared=True)")
+        return info
+
+    @staticmethod
+    def attach(handle: dict[str, Any]) -> AttachedKV:
+        """Map the sidecar's pool in this process (the engine's side of the handshake)."""
+        shape = ModelShape(**handle["shape"])
+        dims = (handle["pages"], shape.layers, 2, handle["page_size"], shape.kv_heads, shape.head_dim)
+        if handle.get("kind") != "shm":
+            raise ValueError(f"cannot attach a {handle.get('kind')!r} handle here")
+        try:
+            shm = _open_untracked(handle["name"])
+        except FileNotFoundError:
+            raise StaleHandle(
+                f"pool {handle['name']} (epoch {handle['epoch']}) no longer exists: the sidecar restarted, "
+                "fetch a new handle"
+            ) from None
+        attached = AttachedKV(shm, _tensor_on(shm, dims, shape.torch_dtype), handle["epoch"])
+        attached.check()
+        return attached
+
+    def close(self) -> None:
+        if self._shm is not None:
+            HEADER.pack_into(self._shm.buf, 0, MAGIC, 0)  # mappings still open see a dead epoch
+            del self.kv
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+
+
+class AttachedKV:
+    """An engine's mapping of the sidecar's pool; :meth:`check` before using cached page ids."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, kv: torch.Tensor, epoch: int) -> None:
+        self._shm = shm
+        self.kv = kv
+        self.epoch = epoch
+
+    def check(self) -> None:
+        magic, epoch = HEADER.unpack_from(self._shm.buf, 0)
+        if magic != MAGIC or epoch != self.epoch:
+            raise StaleHandle(f"the pool's epoch is {epoch}, the handle's {self.epoch}: fetch a new handle")
+
+    def close(self) -> None:
+        del self.kv
+        self._shm.close()
+
+
+def _open_untracked(name: str) -> shared_memory.SharedMemory:
+    """Attach without adopting: before Python 3.13 the attaching process's resource tracker would
+    unlink the sidecar's segment when the engine exits."""
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+    shm = shared_memory.SharedMemory(name=name)
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
+
+
+def _tensor_on(shm: shared_memory.SharedMemory, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    count = 1
+    for d in dims:
+        count *= d
+    flat = torch.frombuffer(shm.buf, dtype=dtype, count=count, offset=HEADER_BYTES)
+    return flat.view(dims)
