@@ -1,4 +1,4 @@
-"""``kvpool-operator``: offline rendering today; the kopf runner lands with the operator issue."""
+"""``kvpool-operator``: run the operator, print the CRD, render a policy offline."""
 
 from __future__ import annotations
 
@@ -6,31 +6,59 @@ import argparse
 import sys
 
 import yaml
-from kvpool_sidecar.config import ConfigError, load_policy, spec_hash
+from kvpool_sidecar.config import ConfigError, load_policy
+
+from kvpool_operator.crd import crd
+from kvpool_operator.render import render_configmap
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    try:
+        with open(args.file) as fh:
+            meta, spec = load_policy(fh.read())
+    except (OSError, ConfigError) as exc:
+        print(f"kvpool-operator render: error: {exc}", file=sys.stderr)
+        return 2
+    cm = render_configmap(meta["name"], meta.get("namespace") or "default", int(meta.get("generation") or 1), spec)
+    sys.stdout.write(yaml.safe_dump(cm, sort_keys=False))
+    return 0
+
+
+def cmd_crd(args: argparse.Namespace) -> int:
+    sys.stdout.write(yaml.safe_dump(crd(), sort_keys=False))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import kopf
+
+    import kvpool_operator.handlers  # noqa: F401  (registers the handlers)
+
+    namespaces = args.namespace or []
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz",
+        standalone=args.standalone,
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvpool-operator")
+    parser = argparse.ArgumentParser(prog="kvpool-operator", description="kvpool's Kubernetes operator")
     sub = parser.add_subparsers(dest="command", required=True)
-    render = sub.add_parser("render", help="validate a KVCachePolicy and print the sidecar config it gives")
-    render.add_argument("-f", "--file", required=True, help="KVCachePolicy manifest (YAML)")
+    run = sub.add_parser("run", help="reconcile KVCachePolicy resources (all namespaces unless --namespace)")
+    run.add_argument("--namespace", action="append", help="watch only this namespace (repeatable)")
+    run.add_argument("--liveness-port", type=int, default=8080)
+    run.add_argument("--standalone", action="store_true", help="no peering with other operator replicas")
+    run.set_defaults(func=cmd_run)
+    render = sub.add_parser("render", help="validate a KVCachePolicy and print the ConfigMap it renders")
+    render.add_argument("-f", "--file", required=True)
+    render.set_defaults(func=cmd_render)
+    crd_cmd = sub.add_parser("crd", help="print the CustomResourceDefinition (generated from the spec model)")
+    crd_cmd.set_defaults(func=cmd_crd)
     args = parser.parse_args(argv)
-    if args.command == "render":
-        try:
-            with open(args.file) as fh:
-                meta, spec = load_policy(fh.read())
-        except (OSError, ConfigError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        data = spec.model_dump(mode="json")
-        data["source"] = {
-            "name": meta["name"],
-            "namespace": meta.get("namespace", "default"),
-            "generation": int(meta.get("generation", 0) or 0),
-            "hash": spec_hash(spec),
-        }
-        sys.stdout.write(yaml.safe_dump(data, sort_keys=False))
-    return 0
+    return args.func(args)
 
 
 if __name__ == "__main__":

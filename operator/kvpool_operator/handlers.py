@@ -1,0 +1,148 @@
+"""kopf handlers: thin I/O around the pure render and status functions.
+
+The operator uses the official ``kubernetes`` client for ConfigMaps, pods and sibling policies, and
+reads each target pod's sidecar ``/metrics`` (port ``METRICS_PORT``) to learn which config hash it
+runs (see :func:`kvpool_operator.status.config_hash_from_metrics`).
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+from typing import Any
+
+import kopf
+import kubernetes
+from kubernetes.client.rest import ApiException
+from kvpool_sidecar.config import API_GROUP, API_VERSION, ConfigError, LabelSelector, validate_spec
+
+from kvpool_operator.crd import PLURAL
+from kvpool_operator.render import configmap_name, needs_update, render_configmap
+from kvpool_operator.status import PolicyRef, build_status, config_hash_from_metrics, conflicting_policy, target_pods
+
+METRICS_PORT = 9400
+METRICS_TIMEOUT = 1.0
+RESYNC_SECONDS = 30.0
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = f"{API_GROUP}/finalizer"
+    try:
+        kubernetes.config.load_incluster_config()
+    except kubernetes.config.ConfigException:
+        kubernetes.config.load_kube_config()
+
+
+def _core() -> kubernetes.client.CoreV1Api:
+    return kubernetes.client.CoreV1Api()
+
+
+def _pods(namespace: str) -> list[dict[str, Any]]:
+    api = _core()
+    return [api.api_client.sanitize_for_serialization(p) for p in api.list_namespaced_pod(namespace).items]
+
+
+def _policies(namespace: str) -> list[PolicyRef]:
+    api = kubernetes.client.CustomObjectsApi()
+    items = api.list_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL).get("items", [])
+    refs = []
+    for item in items:
+        meta = item.get("metadata", {})
+        try:
+            selector = LabelSelector.model_validate((item.get("spec") or {}).get("selector") or {})
+        except ValueError:
+            continue
+        refs.append(PolicyRef(meta.get("name", ""), meta.get("creationTimestamp") or "", selector))
+    return refs
+
+
+def _sidecar_hash(pod: dict[str, Any]) -> str | None:
+    ip = (pod.get("status") or {}).get("podIP")
+    if not ip:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=METRICS_TIMEOUT) as r:
+            return config_hash_from_metrics(r.read().decode())
+    except OSError:
+        return None
+
+
+def _apply_configmap(desired: dict[str, Any]) -> None:
+    api = _core()
+    meta = desired["metadata"]
+    try:
+        existing = api.api_client.sanitize_for_serialization(
+            api.read_namespaced_config_map(meta["name"], meta["namespace"])
+        )
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+        api.create_namespaced_config_map(meta["namespace"], desired)
+        return
+    if needs_update(existing, desired):
+        api.patch_namespaced_config_map(meta["name"], meta["namespace"], desired)
+
+
+@kopf.on.create(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.update(API_GROUP, API_VERSION, PLURAL)
+@kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
+def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, namespace: str,
+              patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    generation = int(meta.get("generation") or 0)
+    previous = dict(status)
+    try:
+        policy = validate_spec(dict(spec))
+    except ConfigError as exc:
+        # The ConfigMap is left as it is: the sidecars keep the last valid config.
+        kopf.warn(body, reason="InvalidSpec", message=str(exc))
+        logger.warning("invalid spec: %s", exc)
+        patch.status.update(build_status(
+            generation=generation, config_hash=previous.get("configHash"), configmap=previous.get("configMap"),
+            valid=(False, "InvalidSpec", str(exc)), conflict=None, targets=previous.get("targetPods", 0),
+            synced=previous.get("syncedPods", 0), previous=previous,
+        ))
+        return
+    desired = render_configmap(name, namespace, generation, policy, owner_uid=meta.get("uid"))
+    _apply_configmap(desired)
+    digest = desired["metadata"]["annotations"][f"{API_GROUP}/config-hash"]
+    patch.status.update(_observe(name, namespace, meta, policy.selector, generation, digest, previous))
+
+
+def _observe(name: str, namespace: str, meta: kopf.Meta, selector: LabelSelector, generation: int, digest: str,
+             previous: dict[str, Any]) -> dict[str, Any]:
+    pods = _pods(namespace)
+    targets = target_pods(selector, pods)
+    me = PolicyRef(name, meta.get("creationTimestamp") or "", selector)
+    conflict = conflicting_policy(me, _policies(namespace), pods)
+    synced = sum(1 for pod in targets if _sidecar_hash(pod) == digest)
+    return build_status(
+        generation=generation, config_hash=digest, configmap=configmap_name(name), valid=(True, "Validated", "ok"),
+        conflict=conflict, targets=len(targets), synced=synced, previous=previous,
+    )
+
+
+@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def resync(spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, namespace: str, patch: kopf.Patch,
+           **_: Any) -> None:
+    """Pods come and go and sidecars pick up configs at their own pace: refresh the counts."""
+    previous = dict(status)
+    digest = previous.get("configHash")
+    if not digest or previous.get("observedGeneration") != meta.get("generation"):
+        return
+    try:
+        policy = validate_spec(dict(spec))
+    except ConfigError:
+        return
+    patch.status.update(_observe(name, namespace, meta, policy.selector, int(meta.get("generation") or 0), digest,
+                                 previous))
+
+
+@kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
+def delete(name: str, namespace: str, **_: Any) -> None:
+    """Delete the ConfigMap explicitly (garbage collection through ownerReferences is a second net)."""
+    try:
+        _core().delete_namespaced_config_map(configmap_name(name), namespace)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise

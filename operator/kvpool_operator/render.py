@@ -1,0 +1,48 @@
+"""Pure rendering: a validated policy -> the ConfigMap its sidecars mount."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from kvpool_sidecar.config import API_GROUP, API_VERSION, KIND, KVCachePolicySpec, spec_hash
+
+CONFIG_KEY = "config.yaml"
+HASH_ANNOTATION = f"{API_GROUP}/config-hash"
+
+
+def configmap_name(policy_name: str) -> str:
+    return f"kvpool-{policy_name}"
+
+
+def config_document(name: str, namespace: str, generation: int, spec: KVCachePolicySpec) -> tuple[str, str]:
+    """The sidecar config file (the spec, defaults filled in, plus its source) and its hash."""
+    digest = spec_hash(spec)
+    data = spec.model_dump(mode="json")
+    data["source"] = {"name": name, "namespace": namespace, "generation": generation, "hash": digest}
+    return yaml.safe_dump(data, sort_keys=False), digest
+
+
+def render_configmap(
+    name: str, namespace: str, generation: int, spec: KVCachePolicySpec, owner_uid: str | None = None
+) -> dict[str, Any]:
+    text, digest = config_document(name, namespace, generation, spec)
+    metadata: dict[str, Any] = {
+        "name": configmap_name(name),
+        "namespace": namespace,
+        "labels": {"app.kubernetes.io/managed-by": "kvpool-operator", f"{API_GROUP}/policy": name},
+        "annotations": {HASH_ANNOTATION: digest},
+    }
+    if owner_uid:
+        metadata["ownerReferences"] = [
+            {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": name, "uid": owner_uid,
+             "controller": True, "blockOwnerDeletion": True}
+        ]
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": {CONFIG_KEY: text}}
+
+
+def needs_update(existing: dict[str, Any] | None, desired: dict[str, Any]) -> bool:
+    """Whether the live ConfigMap differs from the desired one in what the sidecar reads."""
+    if existing is None:
+        return True
+    return (existing.get("data") or {}).get(CONFIG_KEY) != desired["data"][CONFIG_KEY]
