@@ -59,9 +59,6 @@ class SidecarMetrics:
             "kvpool_eviction_seconds", "Eviction decision time per evicted page on the request path",
             buckets=EVICTION_BUCKETS, registry=r,
         )
-        self.requests = Counter(
-            "kvpool_requests", "API calls by operation and outcome", ["operation", "outcome"], registry=r,
-        )
         self.reloads = Counter(
             "kvpool_config_reloads", "Config reloads by result (applied, unchanged, invalid)", ["result"],
             registry=r,
