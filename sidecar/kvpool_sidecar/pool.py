@@ -171,6 +171,7 @@ class _Seq:
     num_computed: int = 0
     published: int = 0  # pages [0, published) are in the prefix index
     publish_blocked: bool = False
+    klass: Hashable = None  # meta.class_key, computed once
 
 
 # ---------------------------------------------------------------------------------------- hashing
@@ -245,7 +246,7 @@ class PagePool:
         # is still evidence for the reuse model, which would otherwise only see the reuses that the
         # current policy let survive (and learn its own bias back).
         self._ghost: OrderedDict[Hashable, tuple[Hashable, float]] = OrderedDict()
-        self._ghost_cap = n
+        self._ghost_cap = 0  # set by _apply: only policies that rank by the model need it
         self.ghost_hits = 0
         self._free = list(range(n - 1, -1, -1))  # a stack: page 0 is handed out first
         self.model = ReuseModel(spec)
@@ -276,6 +277,9 @@ class PagePool:
     # --------------------------------------------------------------------------- configuration
     def _apply(self, spec: KVCachePolicySpec) -> None:
         n = self.total_pages
+        self._ghost_cap = n if any(getattr(p, "uses_model", False) for p in self._policies) else 0
+        if not self._ghost_cap:
+            self._ghost.clear()
         to_b = int(n * spec.workloads.toB.isolationPercent / 100)
         self._caps = [n - to_b, to_b]
         self.pin_quota = int(n * spec.pinning.quotaPercent / 100)
@@ -400,58 +404,75 @@ class PagePool:
     def _allocate(self, part: int, count: int, now: float) -> list[int]:
         """Hand out ``count`` pages to ``part``; the caller checked :meth:`_obtainable` first.
 
-        The eviction of a leaf is inlined: it is the hot path of a full pool.
+        Free pages first (in bulk), then evictions; the eviction of a leaf is inlined: it is the hot
+        path of a full pool.
         """
-        pages: list[int] = []
         free = self._free
         owned = self._owned
         cap = self._caps[part]
+        part_of = self._part
+        ref = self._ref
+        take = min(count, len(free), max(cap - owned[part], 0))
+        if take:
+            pages = free[-take:]
+            pages.reverse()
+            del free[-take:]
+            owned[part] += take
+        else:
+            pages = []
+        rest = count - take
+        if rest and owned[part] < cap:
+            # Under its share with no free page: the other partition is over its share (live resize).
+            for _ in range(min(rest, cap - owned[part])):
+                self._evict_one(1 - part, now, "capacity")
+                pages.append(free.pop())
+                owned[part] += 1
+            rest = count - len(pages)
+        if rest:
+            pages += self._evict_for(part, rest, now)
+        for page in pages:
+            part_of[page] = part
+            ref[page] = 1
+        self._in_use += count
+        return pages
+
+    def _evict_for(self, part: int, count: int, now: float) -> list[int]:
+        """Evict ``count`` victims of ``part``'s policy and return them as fresh pages (ownership kept)."""
         victim = self._policies[part].victim
         first_child = self._first_child
         parent_of = self._parent
         key = self._key
         index = self._index
-        part_of = self._part
-        ref = self._ref
         next_sib = self._next_sib
-        ghost = self._ghost
-        klass_of = self._klass
         last = self._last
+        ghost = self._ghost if self._ghost_cap else None
+        klass_of = self._klass
         window = self._windows[_PARTITIONS[part]]
-        evicted = expired = 0
+        pages = []
+        expired = 0
         for _ in range(count):
-            if owned[part] < cap:
-                if not free:
-                    # Only when the other partition is over its share (after a live resize).
-                    self._evict_one(1 - part, now, "capacity")
-                page = free.pop()
-                owned[part] += 1
-            else:
-                page = victim(now)
-                if now - last[page] > window:
-                    expired += 1
-                if first_child[page] != NO_PAGE:
-                    self._evict_descendants(page)
-                k = key[page]
-                del index[k]
+            page = victim(now)
+            if now - last[page] > window:
+                expired += 1
+            if first_child[page] != NO_PAGE:
+                self._evict_descendants(page)
+            k = key[page]
+            del index[k]
+            if ghost is not None:
                 ghost[k] = (klass_of[page], last[page])
-                key[page] = None
-                parent = parent_of[page]
-                if parent != NO_PAGE:
-                    if first_child[parent] == page and next_sib[page] == NO_PAGE:
-                        first_child[parent] = NO_PAGE  # the usual case: an only child
-                        parent_of[page] = NO_PAGE
-                    else:
-                        self._unlink(page)
-                evicted += 1
-            part_of[page] = part
-            ref[page] = 1
+            key[page] = None
+            parent = parent_of[page]
+            if parent != NO_PAGE:
+                if first_child[parent] == page and next_sib[page] == NO_PAGE:
+                    first_child[parent] = NO_PAGE  # the usual case: an only child
+                    parent_of[page] = NO_PAGE
+                else:
+                    self._unlink(page)
             pages.append(page)
-        self._in_use += count
-        if evicted:
-            self.evictions += evicted
-            self._count_evictions(part, "expired", expired)
-            self._count_evictions(part, "capacity", evicted - expired)
+        self.evictions += count
+        self._count_evictions(part, "expired", expired)
+        self._count_evictions(part, "capacity", count - expired)
+        if ghost is not None:
             while len(ghost) > self._ghost_cap:
                 ghost.popitem(last=False)
         return pages
@@ -571,18 +592,29 @@ class PagePool:
             self.model.observe_reuse(reuse_class, reused, gap_sum, now)
         ghost = self._ghost
         if ghost:
+            late_class: Hashable = None
+            late = 0
+            late_gaps = 0.0
             for key in keys[len(hits):]:
                 seen = ghost.pop(key, None)
                 if seen is None:
                     break
-                self.ghost_hits += 1
-                self.model.observe_reuse(seen[0], 1, now - seen[1], now)
+                if seen[0] != late_class:
+                    if late:
+                        self.model.observe_reuse(late_class, late, late_gaps, now)
+                    late_class, late, late_gaps = seen[0], 0, 0.0
+                late += 1
+                late_gaps += now - seen[1]
+            if late:
+                self.ghost_hits += late
+                self.model.observe_reuse(late_class, late, late_gaps, now)
         evictions = self.evictions
         pages = hits + self._allocate(part, need, now) if need > 0 else hits
         cached_tokens = min(len(hits) * ps, n)
         self.hit_tokens += cached_tokens
         self.lookup_tokens += n
-        self._seqs[seq_id] = _Seq(seq_id, meta, part, pages, keys, n, n, cached_tokens, len(hits))
+        self._seqs[seq_id] = _Seq(seq_id, meta, part, pages, keys, n, n, cached_tokens, len(hits), False,
+                                  meta.class_key)
         self._alloc_slots += len(pages) * ps
         self._used_slots += n
         return Admission(seq_id, cached_tokens, pages, cross_user * ps, self.evictions - evictions, keys)
@@ -691,7 +723,7 @@ class PagePool:
             pages.append(dst)
         child = _Seq(
             new_seq_id, seq.meta, seq.partition, pages, seq.keys, seq.num_tokens,
-            seq.num_prompt_tokens, seq.num_computed, min(seq.published, full), seq.publish_blocked,
+            seq.num_prompt_tokens, seq.num_computed, min(seq.published, full), seq.publish_blocked, seq.klass,
         )
         self._seqs[new_seq_id] = child
         self._alloc_slots += len(pages) * ps
@@ -710,12 +742,13 @@ class PagePool:
         last = self._last
         part = self._part
         policies = self._policies
-        klass = seq.meta.class_key
+        klass = seq.klass
         klass_of = self._klass
         pages = seq.pages
         home = seq.partition
         batch: list[int] = []
         depths: list[int] = []
+        idle = 0
         # Tail first, so that in recency order a prompt's head outlives its tail.
         for depth in range(len(pages) - 1, -1, -1):
             page = pages[depth]
@@ -723,7 +756,7 @@ class PagePool:
             ref[page] = r
             if r:
                 continue
-            self._in_use -= 1
+            idle += 1
             last[page] = now
             if key[page] is not None:
                 klass_of[page] = klass
@@ -736,6 +769,7 @@ class PagePool:
             else:
                 self._owned[part[page]] -= 1
                 self._free.append(page)
+        self._in_use -= idle
         if batch:
             policies[home].insert(batch, depths, seq.published, now, klass)
             self.model.observe_release(klass, len(batch), now)

@@ -63,6 +63,8 @@ def locality(level: int) -> float:
 class _Scoring:
     """Weights and model shared by both implementations."""
 
+    uses_model = True  # the pool keeps a ghost of evicted keys so the model sees late reuses too
+
     def __init__(self, ctx: PolicyContext) -> None:
         self.model: ReuseModel = ctx.model
         self.partition = ctx.partition

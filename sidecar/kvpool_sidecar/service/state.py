@@ -70,6 +70,7 @@ class ConfigState:
     last_error: str | None = None
     reloads: dict[str, int] = field(default_factory=lambda: {"applied": 0, "unchanged": 0, "invalid": 0})
     file_digest: str = ""
+    pending_digest: str = ""
 
 
 class Sidecar:
@@ -304,6 +305,13 @@ class Sidecar:
             return "invalid"
         digest = hashlib.sha256(data).hexdigest()
         if digest == self.state.file_digest:
+            self.state.pending_digest = ""
+            return None
+        if digest != self.state.pending_digest:
+            # A plain rewrite is not atomic: act on content only once two polls in a row read it
+            # (kubelet's symlink swap is atomic, an editor's or a script's write may not be).
+            self.state.pending_digest = digest
             return None
         self.state.file_digest = digest
+        self.state.pending_digest = ""
         return self.apply_config_text(data.decode("utf-8", errors="replace"), str(self.config_path))[0]
