@@ -8,6 +8,7 @@ runs (see :func:`kvpool_operator.status.config_hash_from_metrics`).
 from __future__ import annotations
 
 import logging
+import os
 import urllib.request
 from typing import Any
 
@@ -26,12 +27,15 @@ RESYNC_SECONDS = 30.0
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     settings.persistence.finalizer = f"{API_GROUP}/finalizer"
-    try:
+    if os.environ.get("KUBERNETES_SERVICE_HOST"):
         kubernetes.config.load_incluster_config()
-    except kubernetes.config.ConfigException:
+        return
+    try:
         kubernetes.config.load_kube_config()
+    except (kubernetes.config.ConfigException, OSError):
+        logger.warning("no in-cluster config and no kubeconfig: the kubernetes client keeps its defaults")
 
 
 def _core() -> kubernetes.client.CoreV1Api:

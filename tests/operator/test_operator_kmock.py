@@ -1,0 +1,105 @@
+"""The operator running for real (kopf) against KMock's Kubernetes emulator on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+from emulator import running_emulator
+from kopf.testing import KopfRunner
+from kubernetes.client.rest import ApiException
+
+GROUP, VERSION, PLURAL, NS = "kvpool.dev", "v1alpha1", "kvcachepolicies", "llm"
+
+
+def wait_for(fn: Callable[[], Any], timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except ApiException as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(0.1)
+    raise AssertionError(f"not within {timeout} s; last: {last!r}")
+
+
+def policy(name: str, weights: dict | None = None, **spec: Any) -> dict:
+    body = {"selector": {"matchLabels": {"app": "chat"}}, "pageSize": 16, **spec}
+    if weights:
+        body["eviction"] = {"weights": weights}
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVCachePolicy",
+            "metadata": {"name": name, "namespace": NS}, "spec": body}
+
+
+@pytest.fixture
+def cluster(monkeypatch) -> Iterator[tuple[Any, Any, Any]]:
+    with running_emulator() as (url, emulator):
+        monkeypatch.setenv("KVPOOL_TEST_KUBE_URL", url)
+        config = kubernetes.client.Configuration()
+        config.host = url
+        kubernetes.client.Configuration.set_default(config)
+        args = ["run", "-A", "--standalone", "-m", "kube_login", "-m", "kvpool_operator.handlers"]
+        with KopfRunner(args) as runner:
+            yield kubernetes.client.CustomObjectsApi(), kubernetes.client.CoreV1Api(), emulator
+        assert runner.exit_code == 0, runner.output
+
+
+def status(api: Any, name: str) -> dict:
+    return api.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name).get("status") or {}
+
+
+def cond(st: dict, kind: str) -> dict:
+    return {c["type"]: c for c in st.get("conditions", [])}.get(kind, {})
+
+
+def configmap(core: Any, name: str) -> dict:
+    return yaml.safe_load(core.read_namespaced_config_map(f"kvpool-{name}", NS).data["config.yaml"])
+
+
+def test_create_update_invalid_conflict_delete(cluster):
+    api, core, _ = cluster
+    core.create_namespaced_pod(NS, {"metadata": {"name": "p1", "namespace": NS, "labels": {"app": "chat"}},
+                                    "spec": {"containers": [{"name": "c", "image": "x"}]}})
+    api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("chat", {"reuse": 0.6}))
+    st = wait_for(lambda: (s := status(api, "chat")).get("observedGeneration") == 1 and s)
+    assert cond(st, "Valid")["status"] == "True" and st["targetPods"] == 1 and st["configMap"] == "kvpool-chat"
+    first = configmap(core, "chat")
+    assert first["eviction"]["weights"]["reuse"] == 0.6 and first["source"]["generation"] == 1
+
+    # A hot parameter update: the ConfigMap and observedGeneration follow.
+    api.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat", {"spec": {"eviction": {"weights": {
+        "reuse": 0.9}}}})
+    wait_for(lambda: status(api, "chat").get("observedGeneration") == 2)
+    second = configmap(core, "chat")
+    assert second["eviction"]["weights"]["reuse"] == 0.9 and second["source"]["hash"] != first["source"]["hash"]
+
+    # An invalid update: Valid=False naming the field, the ConfigMap untouched.
+    api.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat", {"spec": {"pageSize": 0}})
+    st = wait_for(lambda: (s := status(api, "chat")).get("observedGeneration") == 3 and s)
+    assert cond(st, "Valid")["status"] == "False" and "spec.pageSize" in cond(st, "Valid")["message"]
+    assert configmap(core, "chat") == second
+
+    # A second, younger policy over the same pod: it reports the conflict, the older one wins.
+    api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("chat2"))
+    st = wait_for(lambda: cond(status(api, "chat2"), "Conflict"))
+    assert "chat" in st["message"]
+
+    # Delete: the ConfigMap goes.
+    api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat2")
+    wait_for(lambda: _gone(core, "kvpool-chat2"))
+
+
+def _gone(core: Any, name: str) -> bool:
+    try:
+        core.read_namespaced_config_map(name, NS)
+    except ApiException as exc:
+        return exc.status == 404
+    return False
