@@ -109,11 +109,18 @@ class Emulator(kmock.KubernetesEmulator):
                         if res == request.resource and (request.namespace is None or ns == request.namespace)
                         and not o.deleted]
                 events = [{"type": "ADDED", "object": o.raw} for o in objs]
+            listed = {}
             for event in events:
+                meta = event["object"].get("metadata", {})
+                listed[(meta.get("namespace"), meta.get("name"))] = int(meta.get("resourceVersion") or 0)
                 yield event
             while True:
                 event = await queue.get()
-                ns = event.get("object", {}).get("metadata", {}).get("namespace")
+                meta = event.get("object", {}).get("metadata", {})
+                ns = meta.get("namespace")
+                seen = listed.get((ns, meta.get("name")))
+                if seen is not None and int(meta.get("resourceVersion") or 0) <= seen:
+                    continue  # already sent by the listing: a real watch never repeats an event
                 if request.namespace is None or ns == request.namespace:
                     yield event
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,6 +15,14 @@ from kopf.testing import KopfRunner
 from kubernetes.client.rest import ApiException
 
 GROUP, VERSION, PLURAL, NS = "kvpool.dev", "v1alpha1", "kvcachepolicies", "llm"
+HANDLER_MODULES = ("kube_login", "kvpool_operator.handlers")
+
+
+def operator_args() -> list[str]:
+    """kopf registers handlers at import: forget the modules so that each run registers them again."""
+    for module in HANDLER_MODULES:
+        sys.modules.pop(module, None)
+    return ["run", "-A", "--standalone", *(arg for m in HANDLER_MODULES for arg in ("-m", m))]
 
 
 def wait_for(fn: Callable[[], Any], timeout: float = 20.0) -> Any:
@@ -31,6 +40,12 @@ def wait_for(fn: Callable[[], Any], timeout: float = 20.0) -> Any:
     raise AssertionError(f"not within {timeout} s; last: {last!r}")
 
 
+def wait_watching(emulator: Any) -> None:
+    """Until kopf watches the policies: objects created earlier would be listed twice by the emulator
+    (it ignores ?resourceVersion=), which a real API server never does."""
+    wait_for(lambda: any(PLURAL in str(r.url) and r.params.get("watch") for r in list(emulator._requests)))
+
+
 def policy(name: str, weights: dict | None = None, **spec: Any) -> dict:
     body = {"selector": {"matchLabels": {"app": "chat"}}, "pageSize": 16, **spec}
     if weights:
@@ -46,8 +61,8 @@ def cluster(monkeypatch) -> Iterator[tuple[Any, Any, Any]]:
         config = kubernetes.client.Configuration()
         config.host = url
         kubernetes.client.Configuration.set_default(config)
-        args = ["run", "-A", "--standalone", "-m", "kube_login", "-m", "kvpool_operator.handlers"]
-        with KopfRunner(args) as runner:
+        with KopfRunner(operator_args()) as runner:
+            wait_watching(emulator)
             yield kubernetes.client.CustomObjectsApi(), kubernetes.client.CoreV1Api(), emulator
         assert runner.exit_code == 0, runner.output
 
@@ -103,3 +118,28 @@ def _gone(core: Any, name: str) -> bool:
     except ApiException as exc:
         return exc.status == 404
     return False
+
+
+def test_restart_resumes_without_rewriting_configmaps(monkeypatch):
+    with running_emulator() as (url, emulator):
+        monkeypatch.setenv("KVPOOL_TEST_KUBE_URL", url)
+        config = kubernetes.client.Configuration()
+        config.host = url
+        kubernetes.client.Configuration.set_default(config)
+        api, core = kubernetes.client.CustomObjectsApi(), kubernetes.client.CoreV1Api()
+        with KopfRunner(operator_args()):
+            wait_watching(emulator)
+            api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("chat", {"reuse": 0.7}))
+            wait_for(lambda: status(api, "chat").get("observedGeneration") == 1)
+        version = core.read_namespaced_config_map("kvpool-chat", NS).metadata.resource_version
+        writes = len([r for r in emulator._requests if "configmaps" in str(r.url) and r.method in ("POST", "PATCH")])
+        before = len(emulator._requests)
+        with KopfRunner(operator_args()) as runner:
+            # The resume handler runs on the existing policy and writes its status again...
+            wait_for(lambda: any("kvcachepolicies/chat" in str(r.url) and r.method == "PATCH"
+                                 for r in list(emulator._requests)[before:]))
+        assert runner.exit_code == 0
+        # ...but the ConfigMap, already right, is not rewritten.
+        assert core.read_namespaced_config_map("kvpool-chat", NS).metadata.resource_version == version
+        after = len([r for r in emulator._requests if "configmaps" in str(r.url) and r.method in ("POST", "PATCH")])
+        assert after == writes
