@@ -53,3 +53,21 @@ def live_sidecar(
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def kubelet_projection(root: Path, data: dict, version: int) -> None:
+    """Write a config the way kubelet projects a ConfigMap: a new timestamped dir, then an atomic swap
+    of the ``..data`` symlink; ``config.yaml`` is a symlink through ``..data``."""
+    import os
+
+    import yaml
+
+    target = root / f"..2026_11_29_{version}"
+    target.mkdir()
+    (target / "config.yaml").write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    tmp = root / "..data_tmp"
+    tmp.symlink_to(target.name)
+    os.replace(tmp, root / "..data")
+    link = root / "config.yaml"
+    if not link.is_symlink():
+        link.symlink_to("..data/config.yaml")

@@ -4,7 +4,6 @@ import os
 from typing import Any
 
 import kopf
-import kubernetes
 
 
 @kopf.on.login()

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import kubernetes
 import pytest
 import yaml
 from emulator import running_emulator
 from kopf.testing import KopfRunner
 from kubernetes.client.rest import ApiException
+from kvpool_sidecar.client import SidecarClient
+from support import free_port, kubelet_projection
 
 GROUP, VERSION, PLURAL, NS = "kvpool.dev", "v1alpha1", "kvcachepolicies", "llm"
 HANDLER_MODULES = ("kube_login", "kvpool_operator.handlers")
@@ -143,3 +147,50 @@ def test_restart_resumes_without_rewriting_configmaps(monkeypatch):
         assert core.read_namespaced_config_map("kvpool-chat", NS).metadata.resource_version == version
         after = len([r for r in emulator._requests if "configmaps" in str(r.url) and r.method in ("POST", "PATCH")])
         assert after == writes
+
+
+def test_end_to_end_policy_patch_reaches_a_running_sidecar(cluster, tmp_path):
+    """Patch a policy's weights -> the operator writes the ConfigMap -> kubelet-style projection ->
+    a real `kvpool-sidecar serve` process reports the new weights within 5 s, cached pages intact."""
+    api, core, _ = cluster
+    api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("e2e", {"reuse": 0.6}))
+    wait_for(lambda: status(api, "e2e").get("observedGeneration") == 1)
+    text = core.read_namespaced_config_map("kvpool-e2e", NS).data["config.yaml"]
+    kubelet_projection(tmp_path, text, 1)
+    port = free_port()
+    sidecar = subprocess.Popen(
+        [sys.executable, "-m", "kvpool_sidecar.cli", "serve", "--config", str(tmp_path / "config.yaml"),
+         "--port", str(port), "--pages", "512", "--log-level", "warning"],
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _up(url), timeout=60)
+        with SidecarClient(url) as c:
+            assert c.config()["config"]["eviction"]["weights"]["reuse"] == 0.6
+            for i in range(5):
+                prompt = list(range(i * 100, i * 100 + 64))
+                c.admit(f"s{i}", prompt)
+                c.commit(f"s{i}", 64)
+                c.release(f"s{i}")
+            cached = c.stats()["cached_pages"]
+            api.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "e2e", {"spec": {"eviction": {
+                "weights": {"reuse": 0.9}}}})
+            wait_for(lambda: yaml.safe_load(core.read_namespaced_config_map("kvpool-e2e", NS).data["config.yaml"])[
+                "eviction"]["weights"]["reuse"] == 0.9)
+            kubelet_projection(tmp_path, core.read_namespaced_config_map("kvpool-e2e", NS).data["config.yaml"], 2)
+            start = time.monotonic()
+            wait_for(lambda: c.config()["config"]["eviction"]["weights"]["reuse"] == 0.9, timeout=5.0)
+            took = time.monotonic() - start
+            assert took < 5.0
+            assert c.config()["generation"] == 2
+            assert c.stats()["cached_pages"] == cached and c.lookup(list(range(64))) == 64
+    finally:
+        sidecar.terminate()
+        sidecar.wait(timeout=30)
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=0.5).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -3,14 +3,12 @@ applied in place within 2 s, without dropping cached pages; a bad one is refused
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import httpx
 import yaml
 from kvpool_sidecar.client import SidecarClient
-from support import live_sidecar
+from support import kubelet_projection, live_sidecar
 
 BASE = {"pageSize": 4, "eviction": {"policy": "workload_aware"}, "pinning": {"autoPin": {"enabled": False}}}
 
@@ -39,19 +37,6 @@ def warm(c: SidecarClient, n: int, offset: int = 0) -> int:
             c.commit(seq, len(prompt) + 4)
             c.release(seq)
     return hits
-
-
-def kubelet_projection(root: Path, data: dict, version: int) -> None:
-    """Write the way kubelet's atomic writer does: a new timestamped dir, then swap the ..data link."""
-    target = root / f"..2026_11_29_{version}"
-    target.mkdir()
-    (target / "config.yaml").write_text(yaml.safe_dump(data))
-    tmp = root / "..data_tmp"
-    tmp.symlink_to(target.name)
-    os.replace(tmp, root / "..data")
-    link = root / "config.yaml"
-    if not link.is_symlink():
-        link.symlink_to("..data/config.yaml")
 
 
 def test_rewritten_file_is_applied_in_place(tmp_path):
