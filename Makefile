@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint bench venv clean system-deps
+.PHONY: test lint bench venv clean system-deps run
 
 venv: $(STAMP)
 
@@ -29,6 +29,10 @@ lint: $(STAMP)
 
 test: lint system-deps
 	$(VENV)/bin/pytest
+
+# The local stack: the chat policy rendered by the operator, a sidecar serving it, a trace replayed into it.
+run: $(STAMP)
+	$(PY) scripts/run_local.py
 
 bench: $(STAMP)
 	$(PY) bench/pool_ops.py

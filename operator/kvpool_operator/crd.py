@@ -47,6 +47,11 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out["nullable"] = True
             continue
         out[key] = _structural(value, defs)
+    # JSON Schema 2020 writes exclusive bounds as numbers; Kubernetes' OpenAPI v3 wants a bound plus a flag.
+    for bound, flag in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        if isinstance(out.get(flag), int | float) and not isinstance(out.get(flag), bool):
+            out[bound] = out[flag]
+            out[flag] = True
     if out.get("type") == "object" and "properties" in out:
         for prop in out["properties"].values():
             if prop.get("type") == "object" and "properties" in prop:

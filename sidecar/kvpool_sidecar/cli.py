@@ -75,6 +75,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvpool_sidecar.replay import plan as planning
+
+    gpu = planning.parse_bytes(args.gpu_memory)
+    p = planning.plan(args.layers, args.kv_heads, args.head_dim, args.dtype, args.page_size, gpu, args.params,
+                      max_seq_len=args.max_seq_len, batch=args.batch, d_model=args.d_model)
+    gib = 2**30
+    print(f"KV per token: {p.bytes_per_token} bytes ({p.bytes_per_token / 1024:.1f} KiB); "
+          f"per page of {args.page_size} tokens: {p.bytes_per_page / 2**20:.2f} MiB")
+    print(f"GPU {gpu / gib:.1f} GiB - weights {args.params * 2 / gib:.1f} GiB - 10 % reserve = "
+          f"{p.kv_budget_bytes / gib:.1f} GiB for KV: {p.pages} pages, {p.pages * args.page_size} tokens")
+    if p.rule_of_thumb_bytes is not None:
+        print(f"rule of thumb (not a measurement): HBM = params x 1.2 + max_seq_len x batch x d_model x 2.5 = "
+              f"{p.rule_of_thumb_bytes / gib:.1f} GiB")
+    if args.trace:
+        trace = read_trace(args.trace)
+        rows = planning.page_size_table([r.input_length for r in trace.requests])
+        print(f"page size from {len(trace.requests)} prompts of {trace.name}:")
+        print(f"{'page':>6}{'fragmentation':>15}{'pages/prompt':>14}")
+        for size, frag, entries in rows:
+            print(f"{size:>6}{frag:>15.2%}{entries:>14.1f}")
+        print(f"recommended page size: {planning.recommend_page_size(rows)} tokens "
+              "(the largest wasting at most 2 % of the slots)")
+    return 0
+
+
 def cmd_synth(args: argparse.Namespace) -> int:
     out = Path(args.output)
     with out.open("w") as fh:
@@ -136,6 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("--seed", type=int, default=0)
     syn.add_argument("-o", "--output", required=True)
     syn.set_defaults(func=cmd_synth)
+
+    pln = sub.add_parser("plan", help="capacity planning: KV bytes per token, pages per GPU, page size")
+    pln.add_argument("--layers", type=_positive_int, required=True)
+    pln.add_argument("--kv-heads", type=_positive_int, required=True)
+    pln.add_argument("--head-dim", type=_positive_int, required=True)
+    pln.add_argument("--dtype", choices=("float32", "float16", "bfloat16", "float8_e4m3fn", "int8"), default="bfloat16")
+    pln.add_argument("--page-size", type=_positive_int, default=16)
+    pln.add_argument("--gpu-memory", required=True, help="e.g. 80GiB")
+    pln.add_argument("--params", type=float, required=True, help="model parameters, e.g. 8e9")
+    pln.add_argument("--max-seq-len", type=_positive_int)
+    pln.add_argument("--batch", type=_positive_int)
+    pln.add_argument("--d-model", type=_positive_int)
+    pln.add_argument("--trace", help="recommend a page size from this trace's prompt lengths")
+    pln.set_defaults(func=cmd_plan)
 
     tun = sub.add_parser("tune", help="grid-search the workload-aware weights on a trace")
     tun.add_argument("trace")

@@ -448,9 +448,17 @@ class PagePool:
         ghost = self._ghost if self._ghost_cap else None
         klass_of = self._klass
         window = self._windows[_PARTITIONS[part]]
-        pages = []
-        expired = 0
-        for _ in range(count):
+        pages: list[int] = []
+        expired = evicted = 0
+        free = self._free
+        owned = self._owned
+        cap = self._caps[part]
+        while len(pages) < count:
+            if free and owned[part] < cap:
+                # A cascade (below) freed descendants of a victim: use them before evicting more.
+                pages.append(free.pop())
+                owned[part] += 1
+                continue
             page = victim(now)
             if now - last[page] > window:
                 expired += 1
@@ -469,9 +477,10 @@ class PagePool:
                 else:
                     self._unlink(page)
             pages.append(page)
-        self.evictions += count
+            evicted += 1
+        self.evictions += evicted
         self._count_evictions(part, "expired", expired)
-        self._count_evictions(part, "capacity", count - expired)
+        self._count_evictions(part, "capacity", evicted - expired)
         if ghost is not None:
             while len(ghost) > self._ghost_cap:
                 ghost.popitem(last=False)
@@ -512,7 +521,8 @@ class PagePool:
         """Remove an evictable page from the index and the tree and free it."""
         k = self._key[page]
         del self._index[k]
-        self._ghost[k] = (self._klass[page], self._last[page])
+        if self._ghost_cap:
+            self._ghost[k] = (self._klass[page], self._last[page])
         self._key[page] = None
         self._unlink(page)
         self._owned[self._part[page]] -= 1

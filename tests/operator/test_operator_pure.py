@@ -46,14 +46,17 @@ def test_crd_shape():
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_pass_the_crd_schema_and_the_model(path):
     doc = yaml.safe_load(path.read_text())
-    jsonschema.validate(doc["spec"], spec_schema())
+    # Kubernetes' OpenAPI v3 schemas follow draft 4 for bounds (exclusiveMinimum is a flag).
+    jsonschema.Draft4Validator(spec_schema()).validate(doc["spec"])
     load_policy(path.read_text())
 
 
 def test_schema_and_model_reject_the_same_bounds():
     bad = {"eviction": {"weights": {"reuse": 2}}}
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(bad, spec_schema())
+        jsonschema.Draft4Validator(spec_schema()).validate(bad)
+    with pytest.raises(jsonschema.ValidationError):  # an exclusive bound: decayPerMinute > 0
+        jsonschema.Draft4Validator(spec_schema()).validate({"workloads": {"toC": {"decayPerMinute": 0}}})
     with pytest.raises(ConfigError, match="spec.eviction.weights.reuse"):
         validate_spec(bad)
 

@@ -73,6 +73,15 @@ class SidecarMetrics:
         self.config_generation = Gauge(
             "kvpool_config_generation", "metadata.generation of the policy in force", registry=r,
         )
+        # Export every series from the start (at 0) so that rates and alerts see zeros, not absences.
+        for klass in ("toC", "toB"):
+            for region in REGIONS:
+                self.lookup_tokens.labels(klass, region)
+                self.hit_tokens.labels(klass, region)
+            self.cross_user_hit_tokens.labels(klass)
+            self.shadow_hit_tokens.labels(klass)
+            self.reuse_gap.labels(klass)
+            self.drift_events.labels(klass)
         for reason in ("capacity", "expired", "pre_eviction"):
             for partition in ("toC", "toB"):
                 self.evicted_pages.labels(partition, reason)
