@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sidecar operator tests bench
+	$(VENV)/bin/ruff check sidecar operator tests bench scripts
 	$(VENV)/bin/lint-imports
 
 test: lint system-deps

@@ -1,0 +1,28 @@
+# syntax=docker/dockerfile:1.7
+# Two images from one file:  docker build --target sidecar -t kvpool-sidecar .
+#                            docker build --target operator -t kvpool-operator .
+# Both run as a non-root user on a pinned base. The sidecar takes torch as TORCH_SPEC says: the
+# default is the CPU build; a GPU image passes its own (e.g. a CUDA build of torch and triton).
+FROM python:3.11.10-slim-bookworm AS base
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN groupadd --gid 10001 kvpool && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvpool
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY sidecar sidecar
+COPY operator operator
+
+FROM base AS sidecar
+ARG TORCH_SPEC="torch==2.13.0"
+RUN pip install "${TORCH_SPEC}" && pip install . && rm -rf /root/.cache
+USER 10001:10001
+EXPOSE 8000 9400
+ENTRYPOINT ["kvpool-sidecar"]
+CMD ["serve", "--config", "/etc/kvpool/config.yaml", "--metrics-port", "9400"]
+
+FROM base AS operator
+# The operator needs only the config contract: no torch, no triton.
+RUN pip install --no-deps . && pip install "kopf>=1.37" "kubernetes>=29" "pydantic>=2.6" "pyyaml>=6" && rm -rf /root/.cache
+USER 10001:10001
+EXPOSE 8080
+ENTRYPOINT ["kvpool-operator"]
+CMD ["run", "--liveness-port", "8080"]
