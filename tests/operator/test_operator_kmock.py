@@ -84,7 +84,7 @@ def configmap(core: Any, name: str) -> dict:
 
 
 def test_create_update_invalid_conflict_delete(cluster):
-    api, core, _ = cluster
+    api, core, emulator = cluster
     core.create_namespaced_pod(NS, {"metadata": {"name": "p1", "namespace": NS, "labels": {"app": "chat"}},
                                     "spec": {"containers": [{"name": "c", "image": "x"}]}})
     api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("chat", {"reuse": 0.6}))
@@ -105,6 +105,10 @@ def test_create_update_invalid_conflict_delete(cluster):
     st = wait_for(lambda: (s := status(api, "chat")).get("observedGeneration") == 3 and s)
     assert cond(st, "Valid")["status"] == "False" and "spec.pageSize" in cond(st, "Valid")["message"]
     assert configmap(core, "chat") == second
+    events = wait_for(lambda: [r.data for r in list(emulator._requests)
+                               if "events" in str(r.url) and str(r.method).endswith("POST")
+                               and isinstance(r.data, dict) and r.data.get("reason") == "InvalidSpec"])
+    assert "spec.pageSize" in events[0]["message"] and events[0]["type"] == "Warning"
 
     # A second, younger policy over the same pod: it reports the conflict, the older one wins.
     api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("chat2"))
