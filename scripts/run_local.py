@@ -38,7 +38,7 @@ def main() -> int:
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     print(f"rendered {POLICY.relative_to(ROOT)} with kvpool-operator render (pageSize 512, the trace's block size)")
     server = subprocess.Popen([bindir / "kvpool-sidecar", "serve", "--config", str(workdir / "config.yaml"),
-                               "--port", str(PORT), "--pages", "9139", "--log-level", "warning"])
+                               "--port", str(PORT), "--pages", "9139", "--log-level", "error"])
     url = f"http://127.0.0.1:{PORT}"
     try:
         for _ in range(300):
