@@ -9,7 +9,6 @@ emulator as the integration tests), so the figure is kopf's and ours, not a real
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -30,11 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=20)
     args = parser.parse_args()
-    with running_emulator() as (url, emulator):
-        os.environ["KVPOOL_TEST_KUBE_URL"] = url
-        config = kubernetes.client.Configuration()
-        config.host = url
-        kubernetes.client.Configuration.set_default(config)
+    with running_emulator() as (_, emulator):
         api, core = kubernetes.client.CustomObjectsApi(), kubernetes.client.CoreV1Api()
         with KopfRunner(operator_args()):
             wait_watching(emulator)

@@ -11,6 +11,7 @@ import asyncio
 import copy
 import datetime
 import itertools
+import os
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -20,6 +21,7 @@ from typing import Any
 import attrs
 import jsonpatch
 import kmock
+import kubernetes
 
 VERBS = ["create", "delete", "get", "list", "patch", "update", "watch"]
 RESOURCES = {
@@ -141,7 +143,11 @@ def _merged(old: Any, change: Any) -> Any:
 
 @contextmanager
 def running_emulator() -> Iterator[tuple[str, Emulator]]:
-    """The emulator serving on 127.0.0.1 from a background thread; yields (url, emulator)."""
+    """The emulator serving on 127.0.0.1 from a background thread; yields (url, emulator).
+
+    kopf (through the test-only ``kube_login`` handler) and the kubernetes client both point at it
+    for the duration.
+    """
     emulator = Emulator()
     for key, info in RESOURCES.items():
         emulator.resources[key] = {**info, "verbs": VERBS}
@@ -162,8 +168,17 @@ def running_emulator() -> Iterator[tuple[str, Emulator]]:
     thread.start()
     if not ready.wait(10):
         raise RuntimeError("the emulator did not start")
+    previous = os.environ.get("KVPOOL_TEST_KUBE_URL")
+    os.environ["KVPOOL_TEST_KUBE_URL"] = box["url"]
+    config = kubernetes.client.Configuration()
+    config.host = box["url"]
+    kubernetes.client.Configuration.set_default(config)
     try:
         yield box["url"], emulator
     finally:
+        if previous is None:
+            os.environ.pop("KVPOOL_TEST_KUBE_URL", None)
+        else:
+            os.environ["KVPOOL_TEST_KUBE_URL"] = previous
         box["loop"].call_soon_threadsafe(stop.set)  # type: ignore[union-attr]
         thread.join(timeout=10)

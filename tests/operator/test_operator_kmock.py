@@ -59,12 +59,8 @@ def policy(name: str, weights: dict | None = None, **spec: Any) -> dict:
 
 
 @pytest.fixture
-def cluster(monkeypatch) -> Iterator[tuple[Any, Any, Any]]:
-    with running_emulator() as (url, emulator):
-        monkeypatch.setenv("KVPOOL_TEST_KUBE_URL", url)
-        config = kubernetes.client.Configuration()
-        config.host = url
-        kubernetes.client.Configuration.set_default(config)
+def cluster() -> Iterator[tuple[Any, Any, Any]]:
+    with running_emulator() as (_, emulator):
         with KopfRunner(operator_args()) as runner:
             wait_watching(emulator)
             yield kubernetes.client.CustomObjectsApi(), kubernetes.client.CoreV1Api(), emulator
@@ -128,12 +124,8 @@ def _gone(core: Any, name: str) -> bool:
     return False
 
 
-def test_restart_resumes_without_rewriting_configmaps(monkeypatch):
-    with running_emulator() as (url, emulator):
-        monkeypatch.setenv("KVPOOL_TEST_KUBE_URL", url)
-        config = kubernetes.client.Configuration()
-        config.host = url
-        kubernetes.client.Configuration.set_default(config)
+def test_restart_resumes_without_rewriting_configmaps():
+    with running_emulator() as (_, emulator):
         api, core = kubernetes.client.CustomObjectsApi(), kubernetes.client.CoreV1Api()
         with KopfRunner(operator_args()):
             wait_watching(emulator)
