@@ -108,7 +108,7 @@ class WorkloadMeta:
 DEFAULT_META = WorkloadMeta()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built on every admission, and frozen construction is slow
 class Admission:
     seq_id: str
     num_cached_tokens: int
@@ -453,8 +453,9 @@ class PagePool:
         free = self._free
         owned = self._owned
         cap = self._caps[part]
+        cascaded = False
         while len(pages) < count:
-            if free and owned[part] < cap:
+            if cascaded and free and owned[part] < cap:
                 # A cascade (below) freed descendants of a victim: use them before evicting more.
                 pages.append(free.pop())
                 owned[part] += 1
@@ -464,6 +465,7 @@ class PagePool:
                 expired += 1
             if first_child[page] != NO_PAGE:
                 self._evict_descendants(page)
+                cascaded = True
             k = key[page]
             del index[k]
             if ghost is not None:
