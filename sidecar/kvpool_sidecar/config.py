@@ -47,11 +47,6 @@ class _Model(BaseModel):
 
 
 
-def _check_duration(value: str) -> str:
-    parse_duration(value)
-    return value
-
-
 class LabelSelectorRequirement(_Model):
     key: str = Field(min_length=1)
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
@@ -105,8 +100,6 @@ class ToCWorkload(_Model):
     timeWindow: str = Field(default="10m", pattern=DURATION_PATTERN, description="reuse window")
     decayPerMinute: float = Field(default=0.15, gt=0, le=600, description="prior reuse decay rate")
 
-    _dur = field_validator("timeWindow")(_check_duration)
-
     @property
     def window_seconds(self) -> float:
         return parse_duration(self.timeWindow)
@@ -155,8 +148,6 @@ class Learning(_Model):
     minSamples: int = Field(default=200, ge=1, description="reuses a class needs before its own fit is used")
     driftThresholdPercent: float = Field(default=20, gt=0, le=1000)
     refitOnDrift: bool = True
-
-    _dur = field_validator("coldStartPeriod")(_check_duration)
 
 
 class PreEviction(_Model):

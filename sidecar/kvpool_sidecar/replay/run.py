@@ -47,7 +47,9 @@ def capacity_pages(trace: Trace, capacity: float) -> tuple[int, float]:
     return int(capacity), capacity / trace.distinct_blocks
 
 
-def replay_spec(policy: str, block: int, base: KVCachePolicySpec | None = None) -> KVCachePolicySpec:
+def replay_spec(
+    policy: str, block: int, base: KVCachePolicySpec | None = None, single_class: bool = False
+) -> KVCachePolicySpec:
     """The spec a replay runs: the given one (or defaults) with the policy and page size of the trace.
 
     Auto-pinning is off and, for a single-class trace, so is the to-B partition, so that every policy
@@ -57,6 +59,8 @@ def replay_spec(policy: str, block: int, base: KVCachePolicySpec | None = None) 
     data["pageSize"] = block
     data["eviction"]["policy"] = policy
     data["pinning"]["autoPin"]["enabled"] = False
+    if single_class:
+        data["workloads"]["toB"]["isolationPercent"] = 0
     return KVCachePolicySpec.model_validate(data)
 
 
@@ -74,11 +78,7 @@ def replay_pool(
 ) -> ReplayResult:
     """Drive the real pool with the trace: admit, commit the whole prompt, release, per request."""
     pages, fraction = capacity_pages(trace, capacity)
-    spec = replay_spec(policy, trace.block_size, spec)
-    if not _class_shares(trace):
-        data = spec.model_dump()
-        data["workloads"]["toB"]["isolationPercent"] = 0
-        spec = KVCachePolicySpec.model_validate(data)
+    spec = replay_spec(policy, trace.block_size, spec, single_class=not _class_shares(trace))
     pool = pool or PagePool(pages, spec, clock=lambda: 0.0)
     block = trace.block_size
     hit_tokens = hit_blocks = total_blocks = oversized = 0

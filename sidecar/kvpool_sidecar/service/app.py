@@ -194,10 +194,10 @@ def create_app(
         except ConfigError as exc:
             await sidecar.run(sidecar.reject, f"PUT /v1/config: {exc}")
             raise ApiError(422, "invalid_config", str(exc), exc.field) from None
-        result, error = await sidecar.run(sidecar.apply_config, config, "PUT /v1/config", heavy=True)
+        _, error, field = await sidecar.run(sidecar.apply_config, config, "PUT /v1/config", heavy=True)
         if error:
-            field = "pageSize" if "pageSize" in error else ""
-            raise ApiError(409 if field else 422, "config_refused", error, field)
+            # Valid, but refused by the running pool (a page-size change needs a restart): a conflict.
+            raise ApiError(409, "config_refused", error, field)
         return sidecar.config_view()
 
     @app.get("/v1/storage/handle", dependencies=v1, tags=["storage"])

@@ -242,38 +242,39 @@ class Sidecar:
         }
 
     # ------------------------------------------------------------------------------- config
-    def apply_config_text(self, text: str, origin: str) -> tuple[str, str | None]:
-        """Validate and apply a config; returns (result, error). The old config stays on any error."""
+    def apply_config_text(self, text: str, origin: str) -> tuple[str, str | None, str]:
+        """Validate and apply a config; returns (result, error, field at fault). The old config stays on
+        any error."""
         try:
             config = parse_config_text(text)
         except ConfigError as exc:
-            return self.reject(f"{origin}: {exc}")
+            return self.reject(f"{origin}: {exc}", exc.field)
         return self.apply_config(config, origin)
 
-    def apply_config(self, config: SidecarConfig, origin: str) -> tuple[str, str | None]:
+    def apply_config(self, config: SidecarConfig, origin: str) -> tuple[str, str | None, str]:
         new_hash = spec_hash(config)
         same_source = config.source == self.state.config.source
         if new_hash == self.state.hash and same_source:
             self._count("unchanged")
-            return "unchanged", None
+            return "unchanged", None, ""
         try:
             self.pool.reconfigure(config.spec())
         except (InvalidRequest, PolicyError) as exc:
-            return self.reject(f"{origin}: {exc}")
+            return self.reject(f"{origin}: {exc}", getattr(exc, "field", ""))
         self.state.config = config
         self.state.hash = new_hash
         self.state.last_error = None
         self._count("applied")
         self._set_config_metrics()
         log.info("config applied from %s: hash %s, policy %s", origin, new_hash, config.eviction.policy)
-        return "applied", None
+        return "applied", None, ""
 
-    def reject(self, message: str) -> tuple[str, str | None]:
+    def reject(self, message: str, field: str = "") -> tuple[str, str | None, str]:
         """Record a config that was not applied; the one in force stays."""
         self.state.last_error = message
         self._count("invalid")
         log.error("config rejected, keeping hash %s: %s", self.state.hash, message)
-        return "invalid", message
+        return "invalid", message, field
 
     def _count(self, result: str) -> None:
         self.state.reloads[result] = self.state.reloads.get(result, 0) + 1
