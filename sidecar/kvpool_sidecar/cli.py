@@ -10,6 +10,8 @@ from pathlib import Path
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, load_config
 from kvpool_sidecar.policies import POLICIES
 from kvpool_sidecar.replay import REFERENCE_POLICIES, TraceError, read_trace, report, run_matrix, synth, tune
+from kvpool_sidecar.replay.cluster import run_cluster_matrix
+from kvpool_sidecar.routing import ROUTING_MODES
 
 EXIT_USAGE = 2
 
@@ -48,10 +50,19 @@ def _spec(path: str | None) -> KVCachePolicySpec | None:
 def cmd_replay(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace)
     spec = _spec(args.config)
+    cluster = bool(args.pods or args.routing or args.membership != "none")
     pool_runs = sum(1 for p in args.policy if p not in REFERENCE_POLICIES) * len(args.capacity)
+    if cluster:
+        args.pods = args.pods or [4]
+        args.routing = args.routing or ["bounded-hash+replicas"]
+        pool_runs *= len(args.pods) * len(args.routing)
     update, close = report.progress_bar(pool_runs * len(trace.requests), not args.no_progress)
     try:
-        results = list(run_matrix(trace, args.policy, args.capacity, spec, update))
+        if cluster:
+            results = list(run_cluster_matrix(trace, args.policy, args.capacity, args.pods, args.routing, spec,
+                                              membership=args.membership, progress=update))
+        else:
+            results = list(run_matrix(trace, args.policy, args.capacity, spec, update))
     finally:
         close()
     formatter = {"table": report.format_table, "json": report.format_json, "csv": report.format_csv}[args.format]
@@ -154,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--plot", help="write a hit-ratio-vs-capacity PNG here")
     replay.add_argument("--config", help="sidecar config / policy spec YAML for weights, windows...")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    replay.add_argument("--pods", action="append", type=_positive_int,
+                        help="cluster replay: this many pods (one pool each, --capacity split evenly); repeatable")
+    replay.add_argument("--routing", action="append", choices=ROUTING_MODES,
+                        help="cluster replay: how requests pick a pod; repeatable; default bounded-hash+replicas")
+    replay.add_argument("--membership", choices=("none", "join", "leave"), default="none",
+                        help="cluster replay: a pod joins (empty) or leaves (with its cache) half-way through")
     replay.set_defaults(func=cmd_replay)
 
     syn = sub.add_parser("synth", help="generate a Bailian-format trace")

@@ -155,6 +155,34 @@ class PreEviction(_Model):
     lowWatermarkPercent: float = Field(default=10, ge=0, le=100, description="free pages kept by idle eviction")
 
 
+class Routing(_Model):
+    """How a router in front of the policy's pods sends each request to the pod holding its prefix."""
+
+    prefixPages: int = Field(
+        default=4, ge=1, le=1024, description="pages whose chained hash is a request's routing key"
+    )
+    virtualNodes: int = Field(default=160, ge=1, le=4096, description="points per pod on the hash ring")
+    loadFactor: float = Field(
+        default=1.25, ge=1, le=10, description="bounded load: no pod takes more than this times the mean load"
+    )
+    loadWindow: str = Field(
+        default="5m", pattern=DURATION_PATTERN, description="load = requests routed, decayed over this window"
+    )
+    hotPrefixQPS: float = Field(default=50, gt=0, description="a prefix hotter than this gets replica pods")
+    replicas: int = Field(default=2, ge=0, le=2, description="extra pods that serve a hot prefix")
+
+    @field_validator("loadWindow")
+    @classmethod
+    def _positive_window(cls, value: str) -> str:
+        if parse_duration(value) <= 0:
+            raise ValueError("must be longer than 0s")
+        return value
+
+    @property
+    def load_window_seconds(self) -> float:
+        return parse_duration(self.loadWindow)
+
+
 class KVCachePolicySpec(_Model):
     selector: LabelSelector = Field(default_factory=LabelSelector)
     pageSize: int = Field(default=16, ge=1, le=4096, description="tokens per page")
@@ -164,6 +192,7 @@ class KVCachePolicySpec(_Model):
     tenancy: Tenancy = Field(default_factory=Tenancy)
     learning: Learning = Field(default_factory=Learning)
     preEviction: PreEviction = Field(default_factory=PreEviction)
+    routing: Routing = Field(default_factory=Routing)
 
     @model_validator(mode="after")
     def _shares_fit(self) -> KVCachePolicySpec:

@@ -210,6 +210,52 @@ def chain_token_keys(
     return keys
 
 
+def salted(isolate: bool, tenant: str, from_tokens: bool) -> bool:
+    """Whether a prompt's keys mix in its tenant's salt: token prompts whenever tenants are isolated;
+    precomputed block hashes only for a named tenant (trace ids are used as they are)."""
+    return isolate and (from_tokens or tenant != DEFAULT_TENANT)
+
+
+def prompt_keys(
+    tokens: Sequence[int] | None,
+    block_hashes: Sequence[Hashable] | None,
+    num_tokens: int | None,
+    page_size: int,
+    salt: bytes | None,
+    shared_first: frozenset[str] = frozenset(),
+) -> tuple[list[Hashable], int]:
+    """The keys of a prompt's full pages, and its length in tokens; exactly one of tokens/block_hashes.
+
+    Token prompts are chained (:func:`chain_token_keys`); precomputed block hashes (trace formats,
+    engines hashing themselves) are used as they are, or each salted when ``salt`` is given.
+    """
+    ps = page_size
+    if (tokens is None) == (block_hashes is None):
+        raise InvalidRequest("give exactly one of tokens or block_hashes", "tokens")
+    if tokens is not None:
+        if num_tokens is not None and num_tokens != len(tokens):
+            raise InvalidRequest("num_tokens must equal len(tokens)", "num_tokens")
+        if not tokens:
+            raise InvalidRequest("tokens must not be empty", "tokens")
+        return chain_token_keys(tokens, ps, salt, shared_first), len(tokens)
+    assert block_hashes is not None
+    if not block_hashes:
+        raise InvalidRequest("block_hashes must not be empty", "block_hashes")
+    n = len(block_hashes) * ps if num_tokens is None else num_tokens
+    if n < 1 or not (len(block_hashes) - 1) * ps < n <= len(block_hashes) * ps:
+        raise InvalidRequest(f"num_tokens={n} does not fit {len(block_hashes)} blocks of {ps} tokens", "num_tokens")
+    hashes = block_hashes[: n // ps]
+    if salt is None:
+        keys = list(hashes)
+    else:
+        keys = [hashlib.blake2b(salt + repr(h).encode(), digest_size=16).digest() for h in hashes]
+    try:
+        set(keys)  # hashes every key in C; an unhashable one fails here, before any change
+    except TypeError:
+        raise InvalidRequest("block_hashes must be integers or strings", "block_hashes") from None
+    return keys, n
+
+
 # -------------------------------------------------------------------------------------------- pool
 class PagePool:
     """A fixed set of ``total_pages`` pages of ``page_size`` tokens, shared by prefix across sequences."""
@@ -343,37 +389,8 @@ class PagePool:
         meta: WorkloadMeta,
     ) -> tuple[list[Hashable], int]:
         """The keys of the request's full pages, and its length in tokens."""
-        ps = self.page_size
-        if (tokens is None) == (block_hashes is None):
-            raise InvalidRequest("give exactly one of tokens or block_hashes", "tokens")
-        if tokens is not None:
-            if num_tokens is not None and num_tokens != len(tokens):
-                raise InvalidRequest("num_tokens must equal len(tokens)", "num_tokens")
-            if not tokens:
-                raise InvalidRequest("tokens must not be empty", "tokens")
-            salt = self._salt(meta.tenant) if self._isolate else None
-            return chain_token_keys(tokens, ps, salt, self._shared_first), len(tokens)
-        assert block_hashes is not None
-        if not block_hashes:
-            raise InvalidRequest("block_hashes must not be empty", "block_hashes")
-        n = len(block_hashes) * ps if num_tokens is None else num_tokens
-        if n < 1 or not (len(block_hashes) - 1) * ps < n <= len(block_hashes) * ps:
-            raise InvalidRequest(
-                f"num_tokens={n} does not fit {len(block_hashes)} blocks of {ps} tokens", "num_tokens"
-            )
-        full = n // ps
-        hashes = block_hashes[:full]
-        if not self._isolate or meta.tenant == DEFAULT_TENANT:
-            # Precomputed ids (trace formats, engines hashing themselves) are used as they are.
-            keys = list(hashes)
-        else:
-            salt = self._salt(meta.tenant)
-            keys = [hashlib.blake2b(salt + repr(h).encode(), digest_size=16).digest() for h in hashes]
-        try:
-            set(keys)  # hashes every key in C; an unhashable one fails here, before any change
-        except TypeError:
-            raise InvalidRequest("block_hashes must be integers or strings", "block_hashes") from None
-        return keys, n
+        salt = self._salt(meta.tenant) if salted(self._isolate, meta.tenant, tokens is not None) else None
+        return prompt_keys(tokens, block_hashes, num_tokens, self.page_size, salt, self._shared_first)
 
     def _cached_prefix(self, keys: list[Hashable]) -> list[int]:
         index = self._index

@@ -11,25 +11,38 @@ from kvpool_sidecar.replay.run import ReplayResult
 
 COLUMNS = ("policy", "capacity_fraction", "capacity_pages", "token_hit_ratio", "block_hit_ratio", "evictions",
            "seconds")
+CLUSTER_COLUMNS = ("pods", "routing", "load_imbalance", "token_imbalance", "keys_moved")
 
 
 def format_table(results: list[ReplayResult]) -> str:
-    header = f"{'policy':<22}{'capacity':>9}{'pages':>9}{'token hit':>11}{'block hit':>11}{'evictions':>11}{'s':>8}"
+    cluster = any(r.routing for r in results)
+    header = f"{'policy':<22}{'capacity':>9}{'pages':>9}"
+    if cluster:
+        header += f"{'pods':>5}  {'routing':<22}"
+    header += f"{'token hit':>11}{'block hit':>11}{'evictions':>11}"
+    if cluster:
+        header += f"{'req max/mean':>13}{'tok max/mean':>13}{'keys moved':>11}"
+    header += f"{'s':>8}"
     lines = [header, "-" * len(header)]
     for r in results:
         label = r.policy + (" (oracle)" if r.policy == "belady" else "")
-        lines.append(
-            f"{label:<22}{r.capacity_fraction:>9.2%}{r.capacity_pages:>9}{r.token_hit_ratio:>11.4f}"
-            f"{r.block_hit_ratio:>11.4f}{r.evictions:>11}{r.seconds:>8.2f}"
-        )
+        line = f"{label:<22}{r.capacity_fraction:>9.2%}{r.capacity_pages:>9}"
+        if cluster:
+            line += f"{r.pods:>5}  {r.routing or '-':<22}"
+        line += f"{r.token_hit_ratio:>11.4f}{r.block_hit_ratio:>11.4f}{r.evictions:>11}"
+        if cluster:
+            moved = "-" if r.keys_moved is None else f"{r.keys_moved:.2%}"
+            line += f"{r.load_imbalance:>13.3f}{r.token_imbalance:>13.3f}{moved:>11}"
+        lines.append(line + f"{r.seconds:>8.2f}")
     return "\n".join(lines)
 
 
 def format_csv(results: list[ReplayResult]) -> str:
-    lines = [",".join(COLUMNS)]
+    columns = COLUMNS + (CLUSTER_COLUMNS if any(r.routing for r in results) else ())
+    lines = [",".join(columns)]
     for r in results:
         row = r.row()
-        lines.append(",".join(str(row[c]) for c in COLUMNS))
+        lines.append(",".join("" if row[c] is None else str(row[c]) for c in columns))
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.pool import TO_B, PagePool, PoolExhausted
-from kvpool_sidecar.replay.trace import Trace
+from kvpool_sidecar.replay.trace import Request, Trace
 
 REFERENCE_POLICIES = ("belady", "infinite")
 
@@ -33,6 +33,11 @@ class ReplayResult:
     trace: str = ""
     per_class: dict[str, float] = field(default_factory=dict)
     oversized: int = 0  # requests larger than their partition, run uncached
+    pods: int = 1
+    routing: str = ""
+    load_imbalance: float = 1.0  # max/mean requests per pod
+    token_imbalance: float = 1.0  # max/mean prompt tokens per pod
+    keys_moved: float | None = None  # share of seen keys whose owner changed at a membership change
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,19 +90,10 @@ def replay_pool(
     class_hits: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, req in enumerate(trace.requests):
-        seq = str(i)
-        now = req.timestamp
-        try:
-            cached = pool.admit(
-                seq, block_hashes=req.hash_ids, num_tokens=req.input_length, meta=req.meta, now=now
-            ).num_cached_tokens
-        except PoolExhausted:
-            # A prompt larger than the whole partition: it runs uncached (its hits still count).
-            cached = pool.lookup(block_hashes=req.hash_ids, num_tokens=req.input_length, meta=req.meta)
+        cached = serve_request(pool, str(i), req)
+        if cached < 0:
+            cached = ~cached
             oversized += 1
-        else:
-            pool.commit(seq, req.input_length, now=now)
-            pool.release(seq, now=now)
         hit_tokens += cached
         hit_blocks += cached // block
         total_blocks += len(req.hash_ids)
@@ -112,6 +108,24 @@ def replay_pool(
         policy, pages, fraction, hit_tokens / total, hit_blocks / total_blocks, len(trace.requests),
         pool.evictions, seconds, trace.name, {k: v[0] / v[1] for k, v in class_hits.items()}, oversized,
     )
+
+
+def serve_request(pool: PagePool, seq: str, req: Request) -> int:
+    """One request as an engine runs it: admit, compute and commit the whole prompt, release.
+
+    Returns the cached tokens, or their bitwise complement for a prompt larger than its whole
+    partition (it runs uncached; its hits still count).
+    """
+    now = req.timestamp
+    try:
+        cached = pool.admit(
+            seq, block_hashes=req.hash_ids, num_tokens=req.input_length, meta=req.meta, now=now
+        ).num_cached_tokens
+    except PoolExhausted:
+        return ~pool.lookup(block_hashes=req.hash_ids, num_tokens=req.input_length, meta=req.meta)
+    pool.commit(seq, req.input_length, now=now)
+    pool.release(seq, now=now)
+    return cached
 
 
 def replay_reference(trace: Trace, policy: str, capacity: float) -> ReplayResult:
