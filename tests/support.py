@@ -14,6 +14,7 @@ import uvicorn
 from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.service.app import create_app
 from kvpool_sidecar.service.state import Sidecar
+from kvpool_sidecar.storage import KVStorage
 
 
 def free_port() -> int:
@@ -26,12 +27,13 @@ def free_port() -> int:
 def live_sidecar(
     config: SidecarConfig | None = None, *, pages: int = 256, config_path: Path | None = None,
     token: str | None = None, poll_interval: float = 0.1, pre_evict_interval: float = 0.0,
+    storage: KVStorage | None = None,
 ) -> Iterator[tuple[str, Sidecar]]:
     if config is None:
         config = load_config(config_path) if config_path else SidecarConfig.model_validate(
             {"pageSize": 4, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}}}
         )
-    sidecar = Sidecar(config, pages, config_path=config_path)
+    sidecar = Sidecar(config, pages, config_path=config_path, storage=storage)
     sidecar.mark_config_file_read()
     app = create_app(sidecar, token=token, poll_interval=poll_interval, pre_evict_interval=pre_evict_interval)
     port = free_port()

@@ -8,6 +8,8 @@ from typing import Any
 
 import httpx
 
+TRANSFER_CONTENT_TYPE = "application/vnd.kvpool.pages"  # kvpool_sidecar.storage.transfer.CONTENT_TYPE
+
 
 class SidecarError(Exception):
     """An error answer: ``status``, ``error`` (a name), ``detail`` and the ``field`` at fault."""
@@ -48,13 +50,17 @@ class SidecarClient:
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         response = self._http.request(method, path, json=body)
+        self._raise_for(response)
+        return response.json() if response.content else None
+
+    @staticmethod
+    def _raise_for(response: httpx.Response) -> None:
         if response.status_code >= 400:
             try:
                 err = response.json()
             except ValueError:
                 err = {"error": "http_error", "detail": response.text}
             raise SidecarError(response.status_code, err.get("error", ""), err.get("detail", ""), err.get("field", ""))
-        return response.json() if response.content else None
 
     @staticmethod
     def _prompt(tokens: Sequence[int] | None, block_hashes: Sequence[int | str] | None, num_tokens: int | None,
@@ -107,6 +113,19 @@ class SidecarClient:
 
     def unpin(self, pin_id: str) -> None:
         self._call("DELETE", f"/v1/pins/{pin_id}")
+
+    def export_pages(self, tokens: Sequence[int] | None = None, *, block_hashes: Sequence[int | str] | None = None,
+                     num_tokens: int | None = None, meta: dict[str, Any] | None = None) -> bytes:
+        """The prompt's cached leading pages with their KV, as a payload for :meth:`import_pages`."""
+        response = self._http.post("/v1/transfer/export", json=self._prompt(tokens, block_hashes, num_tokens, meta))
+        self._raise_for(response)
+        return response.content
+
+    def import_pages(self, payload: bytes) -> dict[str, int]:
+        response = self._http.post("/v1/transfer/import", content=payload,
+                                   headers={"content-type": TRANSFER_CONTENT_TYPE})
+        self._raise_for(response)
+        return response.json()
 
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "/v1/stats")

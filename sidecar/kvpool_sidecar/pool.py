@@ -817,6 +817,18 @@ class PagePool:
         keys, n = self._keys(tokens, block_hashes, num_tokens, meta)
         return min(len(self._cached_prefix(keys)) * self.page_size, n)
 
+    def cached_prefix(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        block_hashes: Sequence[Hashable] | None = None,
+        num_tokens: int | None = None,
+        meta: WorkloadMeta = DEFAULT_META,
+    ) -> tuple[list[Hashable], list[int]]:
+        """The keys of the prompt's full pages and the ids of its cached leading pages; changes nothing."""
+        keys, _ = self._keys(tokens, block_hashes, num_tokens, meta)
+        return keys, self._cached_prefix(keys)
+
     # --------------------------------------------------------------------------- pre-eviction
     def pre_evict(self, now: float | None = None, max_pages: int | None = None) -> int:
         """Idle-time eviction: free expired pages, lowest value first, until the free share reaches the

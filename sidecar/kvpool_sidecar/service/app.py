@@ -20,6 +20,7 @@ from kvpool_sidecar.config import ConfigError, SidecarConfig, validate_config
 from kvpool_sidecar.pool import PoolError, WorkloadMeta
 from kvpool_sidecar.service import models as m
 from kvpool_sidecar.service.state import Sidecar
+from kvpool_sidecar.storage import transfer
 
 log = logging.getLogger("kvpool.sidecar")
 PRE_EVICT_BATCH = 256  # pages per idle step (about a millisecond): a request never waits long behind one
@@ -44,6 +45,8 @@ def _error_name(exc: PoolError) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
+TRANSFER_STATUS = {"not_cached": 404, "no_storage": 404, "corrupt_payload": 400, "hash_mismatch": 400,
+                   "incompatible_payload": 409, "too_large": 413}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": m.ErrorResponse} for code in (400, 401, 404, 409, 422, 503)
 }
@@ -209,6 +212,37 @@ def create_app(
             return sidecar.storage.handle()
         except (RuntimeError, NotImplementedError) as exc:
             raise ApiError(404, "no_storage", str(exc)) from None
+
+    @app.exception_handler(transfer.TransferError)
+    async def _transfer_error(_: Request, exc: transfer.TransferError) -> JSONResponse:
+        return _error(TRANSFER_STATUS.get(exc.reason, 400), exc.reason, str(exc), exc.field)
+
+    @app.post("/v1/transfer/export", dependencies=v1, tags=["transfer"], response_class=Response,
+              responses={200: {"description": "the prompt's cached leading pages (kvpool page-transfer payload)",
+                               "content": {transfer.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
+    async def export_pages(body: m.Prompt) -> Response:
+        """Export the prompt's cached leading pages (KV and keys) for another sidecar's import."""
+        payload, pages = await sidecar.run(
+            sidecar.export_prefix, body.tokens, body.block_hashes, body.num_tokens, _meta(body.meta), heavy=True
+        )
+        return Response(payload, media_type=transfer.CONTENT_TYPE, headers={"x-kvpool-pages": str(pages)})
+
+    @app.post("/v1/transfer/import", response_model=m.ImportResponse, dependencies=v1, tags=["transfer"],
+              responses={413: {"model": m.ErrorResponse}, 415: {"model": m.ErrorResponse}},
+              openapi_extra={"requestBody": {"required": True, "content": {
+                  "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
+    async def import_pages(request: Request) -> m.ImportResponse:
+        """Import another sidecar's exported pages: verified, then cached here whole, or refused unchanged.
+
+        The body is an export's payload, sent as application/vnd.kvpool.pages or application/octet-stream.
+        """
+        kind = request.headers.get("content-type", "").split(";")[0].strip()
+        if kind not in (transfer.CONTENT_TYPE, "application/octet-stream"):
+            raise ApiError(415, "unsupported_media_type", f"send the export payload as {transfer.CONTENT_TYPE}",
+                           "content-type")
+        payload = await request.body()
+        result = await sidecar.run(sidecar.import_prefix, payload, heavy=True)
+        return m.ImportResponse(**result)
 
     @app.get("/healthz", tags=["status"])
     async def healthz() -> dict[str, str]:

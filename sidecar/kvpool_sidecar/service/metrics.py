@@ -73,6 +73,13 @@ class SidecarMetrics:
         self.config_generation = Gauge(
             "kvpool_config_generation", "metadata.generation of the policy in force", registry=r,
         )
+        self.transfer_pages = Counter(
+            "kvpool_transfer_pages", "KV pages moved between sidecars (export: sent; import: written here)",
+            ["direction"], registry=r,
+        )
+        self.transfer_refused = Counter(
+            "kvpool_transfer_refused", "Page imports refused, by reason (nothing changed)", ["reason"], registry=r,
+        )
         # Export every series from the start (at 0) so that rates and alerts see zeros, not absences.
         for klass in ("toC", "toB"):
             for region in REGIONS:
@@ -87,6 +94,8 @@ class SidecarMetrics:
                 self.evicted_pages.labels(partition, reason)
         for result in ("applied", "unchanged", "invalid"):
             self.reloads.labels(result)
+        for direction in ("export", "import"):
+            self.transfer_pages.labels(direction)
 
     def observe_admission(self, workload_class: str, cached: int, length: int, cross_user: int) -> None:
         for region, hit, looked in region_split(cached, length):

@@ -115,6 +115,13 @@ class PinResponse(_Wire):
     expires_at: float | None
 
 
+class ImportResponse(_Wire):
+    pages: int  # pages in the payload
+    imported_pages: int  # written here
+    already_cached_pages: int  # the leading pages this pool held already (not rewritten)
+    num_tokens: int
+
+
 class ErrorResponse(_Wire):
     error: str
     detail: str

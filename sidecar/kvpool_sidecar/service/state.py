@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -24,9 +25,9 @@ from typing import Any, TypeVar
 
 from kvpool_sidecar.config import ConfigError, SidecarConfig, parse_config_text, spec_hash
 from kvpool_sidecar.policies import PolicyError
-from kvpool_sidecar.pool import InvalidRequest, PagePool, WorkloadMeta
+from kvpool_sidecar.pool import InvalidRequest, PagePool, PoolError, WorkloadMeta
 from kvpool_sidecar.service.metrics import SidecarMetrics
-from kvpool_sidecar.storage import KVStorage
+from kvpool_sidecar.storage import KVStorage, transfer
 from kvpool_sidecar.workload import ClassKey, DriftEvent
 
 log = logging.getLogger("kvpool.sidecar")
@@ -182,6 +183,79 @@ class Sidecar:
             "reuse-rate drift in class %s: %.3f/min against reference %.3f/min%s", event.klass,
             event.fitted_rate, event.reference_rate, " (adopted as the new reference)" if event.adopted else "",
         )
+
+    # ------------------------------------------------------------------------------ transfer
+    def export_prefix(self, tokens: list[int] | None, block_hashes: list | None, num_tokens: int | None,
+                      meta: WorkloadMeta) -> tuple[bytes, int]:
+        """The prompt's cached leading pages as a transfer payload, and how many pages it holds."""
+        storage = self._need_storage()
+        keys, pages = self.pool.cached_prefix(tokens, block_hashes=block_hashes, num_tokens=num_tokens, meta=meta)
+        if not pages:
+            raise transfer.TransferError("not_cached", "no leading page of this prompt is cached here", "tokens")
+        ps = self.pool.page_size
+        n = len(pages)
+        data = storage.gather_pages(pages, pin_host=True)
+        header = transfer.TransferHeader(
+            page_size=ps, shape=transfer.WireShape(**asdict(storage.shape)), pages=n,
+            keys=[transfer.key_text(k) for k in keys[:n]],
+            tokens=tokens[: n * ps] if tokens is not None else None,
+            block_hashes=list(block_hashes[:n]) if block_hashes is not None else None,
+            num_tokens=n * ps, meta=transfer.WireMeta(**asdict(meta)), sha256=transfer.page_digest(data),
+        )
+        self.metrics.transfer_pages.labels("export").inc(n)
+        return transfer.encode(header, data), n
+
+    def import_prefix(self, payload: bytes) -> dict[str, int]:
+        """Verify a payload, then cache its pages here: all or nothing (a refusal changes nothing)."""
+        try:
+            return self._import(payload)
+        except transfer.TransferError as exc:
+            self.metrics.transfer_refused.labels(exc.reason).inc()
+            raise
+        except PoolError:
+            self.metrics.transfer_refused.labels("does_not_fit").inc()
+            raise
+
+    def _import(self, payload: bytes) -> dict[str, int]:
+        storage = self._need_storage()
+        header, data = transfer.decode(payload)
+        if header.pages > self.pool.total_pages:
+            raise transfer.TransferError(
+                "too_large", f"{header.pages} pages do not fit a pool of {self.pool.total_pages}", "header.pages"
+            )
+        kv = transfer.verify(header, data, storage)
+        meta = WorkloadMeta(**header.meta.model_dump())
+        keys, _ = self.pool.cached_prefix(header.tokens, block_hashes=header.block_hashes,
+                                          num_tokens=header.num_tokens, meta=meta)
+        if [transfer.key_text(k) for k in keys] != header.keys:
+            raise transfer.TransferError(
+                "hash_mismatch", "the pages' keys differ from this pool's hashes of their prompt "
+                "(another tenant, page size or hashing rule, or a corrupted prompt)", "header.keys",
+            )
+        seq = f"import:{secrets.token_hex(8)}"
+        adm = self.pool.admit(seq, header.tokens, block_hashes=header.block_hashes, num_tokens=header.num_tokens,
+                              meta=meta)  # may raise PoolExhausted: nothing changed yet
+        ps = self.pool.page_size
+        first_new = adm.num_cached_tokens // ps
+        try:
+            if first_new < header.pages:
+                storage.scatter_pages(adm.page_ids[first_new:], kv[first_new:])
+        except Exception:
+            self.pool.release(seq)  # nothing was committed: its fresh pages go back to the free list
+            raise
+        self.pool.commit(seq, header.num_tokens)
+        self.pool.release(seq)
+        written = header.pages - first_new
+        self.metrics.transfer_pages.labels("import").inc(written)
+        return {"pages": header.pages, "imported_pages": written, "already_cached_pages": first_new,
+                "num_tokens": header.num_tokens}
+
+    def _need_storage(self) -> KVStorage:
+        if self.storage is None:
+            raise transfer.TransferError(
+                "no_storage", "this sidecar keeps bookkeeping only: start it with --kv-shape to move KV"
+            )
+        return self.storage
 
     # ------------------------------------------------------------------------------ reading
     def snapshot(self) -> dict[str, Any]:
