@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -36,6 +37,13 @@ def live_sidecar(
     sidecar = Sidecar(config, pages, config_path=config_path, storage=storage)
     sidecar.mark_config_file_read()
     app = create_app(sidecar, token=token, poll_interval=poll_interval, pre_evict_interval=pre_evict_interval)
+    with live_app(app) as url:
+        yield url, sidecar
+
+
+@contextmanager
+def live_app(app: Any) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn on 127.0.0.1 (a free port) from a thread; yields its URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -49,9 +57,9 @@ def live_sidecar(
         except httpx.HTTPError:
             time.sleep(0.05)
     else:
-        raise RuntimeError("sidecar did not start")
+        raise RuntimeError("the app did not start")
     try:
-        yield url, sidecar
+        yield url
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -1,4 +1,4 @@
-"""``kvpool-sidecar``: the command line (serve, replay, synth, tune)."""
+"""``kvpool-sidecar``: the command line (serve, router, replay, synth, plan, tune)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be above 0")
     return value
 
 
@@ -81,6 +91,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config=args.config, host=args.host, port=args.port, pages=args.pages, token_file=args.token_file,
             metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_level=args.log_level,
             kv_shape=args.kv_shape,
+        )
+    )
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from kvpool_sidecar.service.server import RouterOptions, serve_router
+
+    serve_router(
+        RouterOptions(
+            config=args.config, pods=tuple(args.pod or ()), namespace=args.namespace, pod_port=args.pod_port,
+            mode=args.mode, host=args.host, port=args.port, membership_interval=args.membership_interval,
+            log_level=args.log_level,
         )
     )
     return 0
@@ -153,6 +176,21 @@ def build_parser() -> argparse.ArgumentParser:
                      "(shared with the engine: GET /v1/storage/handle)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.set_defaults(func=cmd_serve)
+
+    rtr = sub.add_parser("router", help="route requests to the pod holding their prefix (bounded-load hashing)")
+    rtr.add_argument("--config", help="policy spec / sidecar config YAML (routing, pageSize, tenancy, selector); "
+                     "watched and hot-reloaded")
+    rtr.add_argument("--pod", action="append", metavar="NAME=URL",
+                     help="a static member (repeatable); without it the router follows the selector's pods "
+                     "through the Kubernetes API")
+    rtr.add_argument("--namespace", help="namespace of the pods (default: the config's source, or the router's own)")
+    rtr.add_argument("--pod-port", type=_port, default=8000, help="sidecar API port on each pod")
+    rtr.add_argument("--mode", choices=ROUTING_MODES, default="bounded-hash+replicas")
+    rtr.add_argument("--host", default="0.0.0.0")
+    rtr.add_argument("--port", type=_port, default=8080)
+    rtr.add_argument("--membership-interval", type=_seconds, default=5.0, help="seconds between membership polls")
+    rtr.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    rtr.set_defaults(func=cmd_router)
 
     replay = sub.add_parser("replay", help="replay a trace through the real pool, per policy and capacity")
     replay.add_argument("trace", help="Mooncake or Bailian JSONL trace")

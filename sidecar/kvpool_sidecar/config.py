@@ -57,6 +57,16 @@ class LabelSelector(_Model):
     matchLabels: dict[str, str] = Field(default_factory=dict)
     matchExpressions: list[LabelSelectorRequirement] = Field(default_factory=list)
 
+    def to_query(self) -> str:
+        """The selector as the API server's ``labelSelector`` query string."""
+        parts = [f"{k}={v}" for k, v in sorted(self.matchLabels.items())]
+        for req in self.matchExpressions:
+            if req.operator in ("In", "NotIn"):
+                parts.append(f"{req.key} {req.operator.lower()} ({','.join(req.values)})")
+            else:
+                parts.append(req.key if req.operator == "Exists" else f"!{req.key}")
+        return ",".join(parts)
+
     def matches(self, labels: dict[str, str]) -> bool:
         """Kubernetes label-selector semantics; an empty selector matches every pod."""
         if any(labels.get(k) != v for k, v in self.matchLabels.items()):
@@ -167,6 +177,10 @@ class Routing(_Model):
     )
     loadWindow: str = Field(
         default="5m", pattern=DURATION_PATTERN, description="load = requests routed, decayed over this window"
+    )
+    minLoad: float = Field(
+        default=8, ge=1, description="a pod with less load than this is never overflowed: balancing starts once "
+        "there is load to balance (an idle cluster keeps every prefix on its owner)"
     )
     hotPrefixQPS: float = Field(default=50, gt=0, description="a prefix hotter than this gets replica pods")
     replicas: int = Field(default=2, ge=0, le=2, description="extra pods that serve a hot prefix")

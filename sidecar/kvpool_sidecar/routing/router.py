@@ -142,9 +142,10 @@ class Router:
 
     # ------------------------------------------------------------------------------------ route
     def _bound(self, now: float) -> float:
-        """The most load a pod may carry after taking one more request: ceil(c * (total + 1) / n)."""
+        """The most load a pod may carry after taking one more request: ceil(c * (total + 1) / n), and
+        never less than ``minLoad`` (at a trickle, affinity is worth more than balance)."""
         total = sum(self.load.get(p, now) for p in self._members)
-        return math.ceil(self.routing.loadFactor * (total + 1) / len(self._members))
+        return max(math.ceil(self.routing.loadFactor * (total + 1) / len(self._members)), self.routing.minLoad)
 
     def _least_loaded(self, pods: Sequence[str], now: float) -> str:
         return min(pods, key=lambda p: (self.load.get(p, now), p))

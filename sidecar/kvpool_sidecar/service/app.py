@@ -36,7 +36,7 @@ def _error(status: int, error: str, detail: str, field: str = "") -> JSONRespons
     return JSONResponse(status_code=status, content={"error": error, "detail": detail, "field": field})
 
 
-def _meta(meta: m.Meta) -> WorkloadMeta:
+def workload_meta(meta: m.Meta) -> WorkloadMeta:
     return WorkloadMeta(meta.workload_class, meta.request_type, meta.turn, meta.tenant, meta.user)
 
 
@@ -50,6 +50,41 @@ TRANSFER_STATUS = {"not_cached": 404, "no_storage": 404, "corrupt_payload": 400,
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": m.ErrorResponse} for code in (400, 401, 404, 409, 422, 503)
 }
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error answers ``{"error", "detail", "field"}`` with the status the API documents."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.error, exc.detail, exc.field)
+
+    @app.exception_handler(PoolError)
+    async def _pool_error(_: Request, exc: PoolError) -> JSONResponse:
+        return _error(exc.status, _error_name(exc), str(exc), exc.field)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "path", "query")]
+        if first.get("type") == "json_invalid":
+            return _error(400, "invalid_json", f"the body is not valid JSON: {first.get('msg')}", "body")
+        if first.get("type") == "model_attributes_type" and not loc:
+            detail = "the body must be a JSON object (Content-Type: application/json)"
+            return _error(400, "invalid_json", detail, "body")
+        msg = first.get("msg", "invalid").removeprefix("Value error, ")
+        return _error(422, "invalid_request", msg, ".".join(loc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        response = _error(exc.status_code, "http_error", str(exc.detail))
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names only the first route's methods; a path may have several routes.
+            methods = sorted({meth for route in app.routes if getattr(route, "path", None) == request.url.path
+                              for meth in getattr(route, "methods", ()) or ()} - {"HEAD"})
+            response.headers["allow"] = ", ".join(methods)
+        return response
 
 
 def create_app(
@@ -86,43 +121,14 @@ def create_app(
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
             raise ApiError(401, "unauthorized", "a valid bearer token is required", "authorization")
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.error, exc.detail, exc.field)
-
-    @app.exception_handler(PoolError)
-    async def _pool_error(_: Request, exc: PoolError) -> JSONResponse:
-        return _error(exc.status, _error_name(exc), str(exc), exc.field)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "path", "query")]
-        if first.get("type") == "json_invalid":
-            return _error(400, "invalid_json", f"the body is not valid JSON: {first.get('msg')}", "body")
-        if first.get("type") == "model_attributes_type" and not loc:
-            detail = "the body must be a JSON object (Content-Type: application/json)"
-            return _error(400, "invalid_json", detail, "body")
-        msg = first.get("msg", "invalid").removeprefix("Value error, ")
-        return _error(422, "invalid_request", msg, ".".join(loc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        response = _error(exc.status_code, "http_error", str(exc.detail))
-        response.headers.update(exc.headers or {})
-        if exc.status_code == 405:
-            # Starlette names only the first route's methods; a path may have several routes.
-            methods = sorted({meth for route in app.routes if getattr(route, "path", None) == request.url.path
-                              for meth in getattr(route, "methods", ()) or ()} - {"HEAD"})
-            response.headers["allow"] = ", ".join(methods)
-        return response
+    install_error_handlers(app)
 
     v1 = [Depends(authorize)]
 
     @app.post("/v1/sequences", response_model=m.AdmitResponse, dependencies=v1, tags=["sequences"])
     async def admit(body: m.AdmitRequest) -> m.AdmitResponse:
         adm = await sidecar.run(
-            sidecar.admit, body.seq_id, body.tokens, body.block_hashes, body.num_tokens, _meta(body.meta),
+            sidecar.admit, body.seq_id, body.tokens, body.block_hashes, body.num_tokens, workload_meta(body.meta),
             heavy=sidecar.is_heavy(body.tokens, body.block_hashes, body.num_tokens),
         )
         return m.AdmitResponse(seq_id=adm.seq_id, num_cached_tokens=adm.num_cached_tokens, page_ids=adm.page_ids)
@@ -158,7 +164,7 @@ def create_app(
     async def lookup(body: m.Prompt) -> m.LookupResponse:
         n = await sidecar.run(
             sidecar.pool.lookup, body.tokens, block_hashes=body.block_hashes, num_tokens=body.num_tokens,
-            meta=_meta(body.meta),
+            meta=workload_meta(body.meta),
         )
         return m.LookupResponse(num_cached_tokens=n)
 
@@ -166,7 +172,7 @@ def create_app(
     async def pin(body: m.PinRequest) -> m.PinResponse:
         record = await sidecar.run(
             sidecar.pool.pin, body.tokens, block_hashes=body.block_hashes, seq_id=body.seq_id,
-            meta=_meta(body.meta), ttl=body.ttl_seconds,
+            meta=workload_meta(body.meta), ttl=body.ttl_seconds,
         )
         return m.PinResponse(pin_id=record.pin_id, pages=list(record.pages), expires_at=record.expires_at)
 
@@ -223,7 +229,7 @@ def create_app(
     async def export_pages(body: m.Prompt) -> Response:
         """Export the prompt's cached leading pages (KV and keys) for another sidecar's import."""
         payload, pages = await sidecar.run(
-            sidecar.export_prefix, body.tokens, body.block_hashes, body.num_tokens, _meta(body.meta), heavy=True
+            sidecar.export_prefix, body.tokens, body.block_hashes, body.num_tokens, workload_meta(body.meta), heavy=True
         )
         return Response(payload, media_type=transfer.CONTENT_TYPE, headers={"x-kvpool-pages": str(pages)})
 
@@ -283,7 +289,7 @@ def _apply_batch(sidecar: Sidecar, ops: list) -> m.BatchResponse:
     for op in ops:
         try:
             if op.op == "admit":
-                adm = sidecar.admit(op.seq_id, op.tokens, op.block_hashes, op.num_tokens, _meta(op.meta))
+                adm = sidecar.admit(op.seq_id, op.tokens, op.block_hashes, op.num_tokens, workload_meta(op.meta))
                 out: dict[str, Any] = {"seq_id": adm.seq_id, "num_cached_tokens": adm.num_cached_tokens,
                                        "page_ids": adm.page_ids}
             elif op.op == "commit":

@@ -122,6 +122,31 @@ class ImportResponse(_Wire):
     num_tokens: int
 
 
+class RouteTarget(_Wire):
+    pod: str
+    url: str
+
+
+class RouteResponse(_Wire):
+    pod: str
+    url: str
+    reason: str  # owner | replica | overflow | unkeyed | random | round-robin | least-loaded
+    alternates: list[RouteTarget]  # where to go next, in order, should the pod refuse
+    hot: bool  # the prefix is above routing.hotPrefixQPS
+    key: str | None  # the routing key (hex of the chained page hash); null: no full page
+
+
+class PodView(_Wire):
+    pod: str
+    url: str
+    load: float
+
+
+class PodsResponse(_Wire):
+    mode: str
+    pods: list[PodView]
+
+
 class ErrorResponse(_Wire):
     error: str
     detail: str

@@ -12,6 +12,15 @@ from prometheus_client import start_http_server
 
 from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.service.app import create_app
+from kvpool_sidecar.service.membership import (
+    KubernetesMembership,
+    MembershipSource,
+    StaticMembership,
+    default_namespace,
+    load_kube_config,
+    parse_static,
+)
+from kvpool_sidecar.service.router_app import RouterService, create_router_app
 from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import KVStorage, ModelShape
 
@@ -96,3 +105,41 @@ def serve(options: ServeOptions) -> None:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
     finally:
         sidecar.close()
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    config: str | None = None
+    pods: tuple[str, ...] = ()  # name=url items: a static member list instead of the Kubernetes API
+    namespace: str | None = None
+    pod_port: int = 8000
+    mode: str = "bounded-hash+replicas"
+    host: str = "0.0.0.0"
+    port: int = 8080
+    membership_interval: float = 5.0
+    log_level: str = "info"
+
+
+def build_router(options: RouterOptions) -> RouterService:
+    config = load_config(options.config) if options.config else SidecarConfig()
+    source: MembershipSource
+    if options.pods:
+        try:
+            source = StaticMembership(parse_static(list(options.pods)))
+        except ValueError as exc:
+            raise ServeError(str(exc)) from None
+    else:
+        namespace = options.namespace or (config.source.namespace if config.source else None) or default_namespace()
+        if not namespace:
+            raise ServeError("give --pod name=url items, or --namespace (or a config rendered by the operator) "
+                             "to follow the policy's pods through the Kubernetes API")
+        load_kube_config()
+        source = KubernetesMembership(namespace, config.selector, options.pod_port)
+    return RouterService(config, source, mode=options.mode, config_path=options.config)
+
+
+def serve_router(options: RouterOptions) -> None:
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service = build_router(options)
+    app = create_router_app(service, membership_interval=options.membership_interval)
+    uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)

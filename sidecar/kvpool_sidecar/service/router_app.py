@@ -1,0 +1,216 @@
+"""``kvpool-sidecar router``: prefix-affinity routing in front of a policy's inference pods.
+
+The decisions are :class:`kvpool_sidecar.routing.Router`'s (pure); this module adds HTTP, the
+membership poll (static list or the Kubernetes API), config hot reload and Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, parse_config_text
+from kvpool_sidecar.routing import REASONS, KeySpec, NoPods, Router
+from kvpool_sidecar.service import models as m
+from kvpool_sidecar.service.app import ApiError, install_error_handlers, workload_meta
+from kvpool_sidecar.service.membership import MembershipSource
+
+log = logging.getLogger("kvpool.router")
+
+
+def key_spec(spec: KVCachePolicySpec) -> KeySpec:
+    """Routing keys follow the pods' own hashing: page size, tenant isolation, shared prefixes."""
+    return KeySpec(spec.pageSize, spec.tenancy.isolation == "perTenant", frozenset(spec.tenancy.sharedPrefixes))
+
+
+def key_text(key: Any) -> str | None:
+    if key is None:
+        return None
+    return key.hex() if isinstance(key, bytes) else str(key)
+
+
+class RouterMetrics:
+    def __init__(self, service: RouterService) -> None:
+        r = self.registry = CollectorRegistry()
+        self.decisions = Counter("kvpool_router_decisions", "Routing decisions by reason", ["reason"], registry=r)
+        self.membership = Counter(
+            "kvpool_router_membership_changes", "Pods that joined or left the ring", ["change"], registry=r
+        )
+        self.reloads = Counter("kvpool_router_config_reloads", "Config reloads by result", ["result"], registry=r)
+        self.membership_errors = Counter(
+            "kvpool_router_membership_errors", "Failed membership polls (the last members were kept)", registry=r
+        )
+        for reason in REASONS:
+            self.decisions.labels(reason)
+        for change in ("join", "leave"):
+            self.membership.labels(change)
+        for result in ("applied", "invalid"):
+            self.reloads.labels(result)
+        r.register(_RouterCollector(service))
+
+
+class _RouterCollector(Collector):
+    def __init__(self, service: RouterService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self._service
+        now = s.clock()
+        yield GaugeMetricFamily("kvpool_router_pods", "Pods on the ring", value=len(s.router.pods))
+        load = GaugeMetricFamily("kvpool_router_pod_load", "Requests routed to a pod, decayed over "
+                                 "routing.loadWindow", labels=["pod"])
+        for pod, value in s.router.loads(now).items():
+            load.add_metric([pod], value)
+        yield load
+        yield GaugeMetricFamily("kvpool_router_hot_prefixes", "Prefixes above routing.hotPrefixQPS",
+                                value=s.router.hot_prefixes(now))
+
+
+class RouterService:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        source: MembershipSource,
+        *,
+        mode: str = "bounded-hash+replicas",
+        config_path: str | Path | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        spec = config.spec()
+        self.router = Router(spec.routing, key_spec(spec), mode=mode)
+        self.source = source
+        self.urls: dict[str, str] = {}
+        self.clock = clock
+        self.config_path = Path(config_path) if config_path else None
+        self.config_digest = hashlib.sha256(self.config_path.read_bytes()).hexdigest() if self.config_path else ""
+        self.metrics = RouterMetrics(self)
+
+    # ---------------------------------------------------------------------------- membership
+    def apply_members(self, members: dict[str, str]) -> None:
+        joined, left = self.router.set_pods(list(members))
+        self.urls = dict(members)
+        if joined or left:
+            log.info("members: %d pods (joined %s, left %s)", len(members), joined or "-", left or "-")
+        self.metrics.membership.labels("join").inc(len(joined))
+        self.metrics.membership.labels("leave").inc(len(left))
+
+    async def poll_members(self) -> None:
+        try:
+            members = await asyncio.to_thread(self.source.members)
+        except Exception as exc:  # an API hiccup keeps the ring as it is
+            self.metrics.membership_errors.inc()
+            log.warning("membership poll failed, keeping %d pods: %s", len(self.urls), exc)
+            return
+        self.apply_members(members)
+
+    # -------------------------------------------------------------------------------- config
+    def poll_config(self) -> None:
+        if self.config_path is None:
+            return
+        try:
+            raw = self.config_path.read_bytes()
+        except OSError as exc:
+            log.warning("config %s unreadable, keeping the current one: %s", self.config_path, exc)
+            return
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest == self.config_digest:
+            return
+        self.config_digest = digest
+        try:
+            spec = parse_config_text(raw.decode()).spec()
+        except (ConfigError, UnicodeDecodeError) as exc:
+            self.metrics.reloads.labels("invalid").inc()
+            log.error("config %s refused, keeping the current one: %s", self.config_path, exc)
+            return
+        self.router.reconfigure(spec.routing, key_spec(spec))
+        self.metrics.reloads.labels("applied").inc()
+        log.info("config reloaded: %s", spec.routing.model_dump())
+
+    # -------------------------------------------------------------------------------- routing
+    def route(self, body: m.Prompt) -> m.RouteResponse:
+        try:
+            decision = self.router.route(body.tokens, block_hashes=body.block_hashes, num_tokens=body.num_tokens,
+                                         meta=workload_meta(body.meta), now=self.clock())
+        except NoPods:
+            raise ApiError(503, "no_pods", "the router has no serving pods to route to") from None
+        self.metrics.decisions.labels(decision.reason).inc()
+        return m.RouteResponse(
+            pod=decision.pod, url=self.urls[decision.pod], reason=decision.reason,
+            alternates=[m.RouteTarget(pod=p, url=self.urls[p]) for p in decision.alternates],
+            hot=decision.hot, key=key_text(decision.key),
+        )
+
+    def pods(self) -> m.PodsResponse:
+        loads = self.router.loads(self.clock())
+        return m.PodsResponse(mode=self.router.mode, pods=[
+            m.PodView(pod=p, url=self.urls[p], load=loads.get(p, 0.0)) for p in self.router.pods
+        ])
+
+
+def create_router_app(service: RouterService, *, membership_interval: float = 5.0,
+                      config_interval: float = 1.0) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.poll_members()
+        tasks = [asyncio.create_task(_every(membership_interval, service.poll_members))]
+        if service.config_path is not None:
+            async def config() -> None:
+                service.poll_config()
+
+            tasks.append(asyncio.create_task(_every(config_interval, config)))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    app = FastAPI(title="kvpool router", version="0.1.0", lifespan=lifespan,
+                  description="Sends each request to the inference pod that caches its prefix, with bounded load.")
+    install_error_handlers(app)
+
+    @app.post("/v1/route", response_model=m.RouteResponse, tags=["routing"],
+              responses={503: {"model": m.ErrorResponse}, 422: {"model": m.ErrorResponse}})
+    async def route(body: m.Prompt) -> m.RouteResponse:
+        """The pod for this prompt (tokens or block hashes + workload metadata), the alternates and why."""
+        return service.route(body)
+
+    @app.get("/v1/pods", response_model=m.PodsResponse, tags=["routing"])
+    async def pods() -> m.PodsResponse:
+        return service.pods()
+
+    @app.get("/healthz", tags=["status"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["status"], responses={503: {"model": m.ErrorResponse}})
+    async def readyz() -> dict[str, Any]:
+        if not service.router.pods:
+            raise ApiError(503, "no_pods", "no serving pods yet")
+        return {"status": "ready", "pods": len(service.router.pods)}
+
+    @app.get("/metrics", tags=["status"], include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _every(interval: float, step: Callable[[], Any]) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await step()
+        except Exception:  # a poller must outlive any surprise; the error is logged
+            log.exception("periodic task failed")

@@ -1,0 +1,168 @@
+"""The router over real HTTP: /v1/route, /v1/pods, metrics, config hot reload, and membership from a
+static list or the Kubernetes API (KMock's emulator)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kubernetes
+import pytest
+import yaml
+from emulator import running_emulator
+from kvpool_sidecar.cli import main
+from kvpool_sidecar.config import LabelSelector, SidecarConfig
+from kvpool_sidecar.service.membership import KubernetesMembership, StaticMembership, parse_static
+from kvpool_sidecar.service.router_app import RouterService, create_router_app
+from support import live_app
+
+PODS = {f"pod-{i}": f"http://10.0.0.{i}:8000" for i in range(4)}
+CONFIG = {"pageSize": 4, "routing": {"prefixPages": 2}}
+
+
+def wait_for(check: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not reached")
+
+
+class Members:
+    """A membership source a test can change."""
+
+    def __init__(self, pods: dict[str, str]) -> None:
+        self.pods = dict(pods)
+
+    def members(self) -> dict[str, str]:
+        return dict(self.pods)
+
+
+def serve(source: Any, config_path: Path | None = None, **kwargs: Any):
+    config = SidecarConfig.model_validate(yaml.safe_load(config_path.read_text()) if config_path else CONFIG)
+    service = RouterService(config, source, config_path=config_path, **kwargs)
+    return service, live_app(create_router_app(service, membership_interval=0.05, config_interval=0.05))
+
+
+def test_route_answers_the_owner_its_alternates_and_why():
+    service, app = serve(StaticMembership(PODS))
+    with app as url:
+        first = httpx.post(url + "/v1/route", json={"tokens": list(range(40))}).json()
+        assert first["reason"] == "owner" and first["url"] == PODS[first["pod"]]
+        assert [a["url"] for a in first["alternates"]] == [PODS[a["pod"]] for a in first["alternates"]]
+        assert len(first["alternates"]) == 2 and first["pod"] not in {a["pod"] for a in first["alternates"]}
+        # Same first two pages (prefixPages=2), another tail: the same pod and key.
+        again = httpx.post(url + "/v1/route", json={"tokens": list(range(8)) + [1] * 30}).json()
+        assert (again["pod"], again["key"]) == (first["pod"], first["key"])
+        short = httpx.post(url + "/v1/route", json={"tokens": [1, 2]}).json()
+        assert short["reason"] == "unkeyed" and short["key"] is None
+        pods = httpx.get(url + "/v1/pods").json()
+        assert pods["mode"] == "bounded-hash+replicas" and sorted(p["pod"] for p in pods["pods"]) == sorted(PODS)
+        assert sum(p["load"] for p in pods["pods"]) == pytest.approx(3, abs=0.01)
+        text = httpx.get(url + "/metrics").text
+    assert 'kvpool_router_decisions_total{reason="owner"} 2.0' in text
+    assert "kvpool_router_pods 4.0" in text
+    if shutil.which("promtool"):
+        proc = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [({"tokens": []}, 422, "tokens"), ({"tokens": [1], "block_hashes": [2]}, 422, ""),
+     ({"block_hashes": [1, 2], "num_tokens": 99}, 422, "num_tokens"), ({"tokens": ["a"]}, 422, "tokens.0")],
+)
+def test_a_bad_route_request_names_its_field(body: dict, status: int, field: str):
+    service, app = serve(StaticMembership(PODS))
+    with app as url:
+        answer = httpx.post(url + "/v1/route", json=body)
+        assert answer.status_code == status and answer.json()["field"] == field
+    assert sum(service.router.decisions.values()) == 0
+
+
+def test_no_pods_is_503_and_not_ready_until_pods_appear():
+    members = Members({})
+    service, app = serve(members)
+    with app as url:
+        assert httpx.get(url + "/readyz").status_code == 503
+        answer = httpx.post(url + "/v1/route", json={"tokens": list(range(40))})
+        assert answer.status_code == 503 and answer.json()["error"] == "no_pods"
+        members.pods = {"pod-0": PODS["pod-0"]}
+        wait_for(lambda: httpx.get(url + "/readyz").status_code == 200)
+        assert httpx.post(url + "/v1/route", json={"tokens": list(range(40))}).json()["pod"] == "pod-0"
+
+
+def test_a_leaving_pod_moves_only_its_keys():
+    members = Members(PODS)
+    service, app = serve(members, mode="prefix-hash")  # ring ownership alone, no load in the way
+    prompts = [[i] * 8 for i in range(200)]
+    with app as url, httpx.Client(base_url=url) as http:
+        before = [http.post("/v1/route", json={"tokens": p}).json()["pod"] for p in prompts]
+        members.pods.pop("pod-3")
+        wait_for(lambda: len(http.get("/v1/pods").json()["pods"]) == 3)
+        after = [http.post("/v1/route", json={"tokens": p}).json()["pod"] for p in prompts]
+        metrics = http.get("/metrics").text
+    moved = [(b, a) for b, a in zip(before, after, strict=True) if b != a]
+    assert moved and all(b == "pod-3" for b, _ in moved)
+    assert 'kvpool_router_membership_changes_total{change="leave"} 1.0' in metrics
+
+
+def test_config_is_hot_reloaded_and_a_bad_one_is_refused(tmp_path: Path):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(CONFIG))
+    service, app = serve(StaticMembership(PODS), config_path=path)
+    a, b = list(range(8)) + [7] * 8, list(range(8)) + [9] * 8  # same first 2 pages, different 3rd and 4th
+    with app as url:
+        def key(tokens: list[int]) -> str:
+            return httpx.post(url + "/v1/route", json={"tokens": tokens}).json()["key"]
+
+        assert key(a) == key(b)
+        path.write_text(yaml.safe_dump({**CONFIG, "routing": {"prefixPages": 4}}))
+        wait_for(lambda: service.router.routing.prefixPages == 4)
+        assert key(a) != key(b)
+        path.write_text(yaml.safe_dump({**CONFIG, "routing": {"loadFactor": 0.5}}))
+        wait_for(lambda: 'kvpool_router_config_reloads_total{result="invalid"} 1.0' in httpx.get(url + "/metrics").text)
+        assert service.router.routing.prefixPages == 4 and service.router.routing.loadFactor == 1.25
+
+
+def test_static_members_and_cli_errors(capsys):
+    assert parse_static(["a=http://x:1/", "b=https://y:2"]) == {"a": "http://x:1", "b": "https://y:2"}
+    for bad in (["a"], ["a=ftp://x"], ["a=http://x", "a=http://y"]):
+        with pytest.raises(ValueError, match="--pod"):
+            parse_static(bad)
+    assert main(["router", "--pod", "nourl"]) == 2
+    assert "use name=http://host:port" in capsys.readouterr().err
+
+
+def pod(name: str, labels: dict[str, str], ip: str | None = "10.1.0.1", ready: bool = True) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": "Running", "conditions": [{"type": "Ready", "status": str(ready)}]}
+    if ip:
+        status["podIP"] = ip
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "llm", "labels": labels},
+            "spec": {"containers": [{"name": "engine", "image": "x"}]}, "status": status}
+
+
+def test_kubernetes_membership_follows_the_policys_serving_pods():
+    selector = LabelSelector(matchLabels={"app": "chat"})
+    with running_emulator():
+        core = kubernetes.client.CoreV1Api()
+        core.create_namespaced_pod("llm", pod("chat-0", {"app": "chat"}, "10.1.0.1"))
+        core.create_namespaced_pod("llm", pod("chat-1", {"app": "chat"}, "10.1.0.2"))
+        core.create_namespaced_pod("llm", pod("chat-2", {"app": "chat"}, "10.1.0.3", ready=False))
+        core.create_namespaced_pod("llm", pod("chat-3", {"app": "chat"}, None))
+        core.create_namespaced_pod("llm", pod("api-0", {"app": "api"}, "10.1.0.9"))
+        source = KubernetesMembership("llm", selector, port=8000)
+        assert source.members() == {"chat-0": "http://10.1.0.1:8000", "chat-1": "http://10.1.0.2:8000"}
+        service, app = serve(source)
+        with app as url:
+            assert sorted(p["pod"] for p in httpx.get(url + "/v1/pods").json()["pods"]) == ["chat-0", "chat-1"]
+            core.delete_namespaced_pod("chat-0", "llm")
+            wait_for(lambda: [p["pod"] for p in httpx.get(url + "/v1/pods").json()["pods"]] == ["chat-1"])
+            assert httpx.post(url + "/v1/route", json={"tokens": list(range(40))}).json()["url"] == \
+                "http://10.1.0.2:8000"
