@@ -103,7 +103,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         RouterOptions(
             config=args.config, pods=tuple(args.pod or ()), namespace=args.namespace, pod_port=args.pod_port,
             mode=args.mode, host=args.host, port=args.port, membership_interval=args.membership_interval,
-            log_level=args.log_level,
+            log_level=args.log_level, warm_replicas=args.warm_replicas, sidecar_token_file=args.sidecar_token_file,
         )
     )
     return 0
@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     rtr.add_argument("--host", default="0.0.0.0")
     rtr.add_argument("--port", type=_port, default=8080)
     rtr.add_argument("--membership-interval", type=_seconds, default=5.0, help="seconds between membership polls")
+    rtr.add_argument("--warm-replicas", action="store_true",
+                     help="copy a hot prefix's pages from its owner to a replica the first time it lands there")
+    rtr.add_argument("--sidecar-token-file", help="bearer token of the sidecars' API (for --warm-replicas)")
     rtr.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     rtr.set_defaults(func=cmd_router)
 

@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import kubernetes
 import pytest
+import torch
 import yaml
 from emulator import running_emulator
 from kvpool_sidecar.cli import main
@@ -166,3 +167,46 @@ def test_kubernetes_membership_follows_the_policys_serving_pods():
             wait_for(lambda: [p["pod"] for p in httpx.get(url + "/v1/pods").json()["pods"]] == ["chat-1"])
             assert httpx.post(url + "/v1/route", json={"tokens": list(range(40))}).json()["url"] == \
                 "http://10.1.0.2:8000"
+
+
+def test_a_hot_prefix_warms_its_replica_from_the_owner():
+    from kvpool_sidecar.client import SidecarClient
+    from kvpool_sidecar.storage import KVStorage, ModelShape
+    from support import live_sidecar
+
+    sidecar_config = SidecarConfig.model_validate(
+        {"pageSize": 4, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}}}
+    )
+    shape = ModelShape(1, 1, 4, "float32")
+    prompt = list(range(50, 66))
+    with live_sidecar(sidecar_config, pages=16, storage=KVStorage(shape, 4, pages=16)) as (url_a, a), \
+            live_sidecar(sidecar_config, pages=16, storage=KVStorage(shape, 4, pages=16)) as (url_b, b):
+        config = {"pageSize": 4, "routing": {"prefixPages": 1, "hotPrefixQPS": 0.01, "replicas": 1, "loadFactor": 10}}
+        service = RouterService(SidecarConfig.model_validate(config), StaticMembership({"a": url_a, "b": url_b}),
+                                warm_replicas=True, warm_retry_seconds=0.05)
+        with live_app(create_router_app(service)) as url, httpx.Client(base_url=url) as http:
+            first = http.post("/v1/route", json={"tokens": prompt}).json()
+            owner_url, owner = (url_a, a) if first["owner"] == "a" else (url_b, b)
+            replica_url, replica = (url_b, b) if first["owner"] == "a" else (url_a, a)
+            with SidecarClient(owner_url) as engine:  # the owner computes the prompt
+                adm = engine.admit("s", prompt)
+                owner.storage.kv[adm.page_ids] = torch.arange(4 * shape.bytes_per_page(4) // 4,
+                                                              dtype=torch.float32).view(4, 1, 2, 4, 1, 4)
+                engine.commit("s", 16)
+                engine.release("s")
+            reasons = []
+
+            def copied() -> bool:
+                reasons.append(http.post("/v1/route", json={"tokens": prompt}).json()["reason"])
+                return 'kvpool_router_warmups_total{result="copied"} 1.0' in http.get("/metrics").text
+
+            wait_for(copied)
+            assert "replica" in reasons
+            for _ in range(6):
+                http.post("/v1/route", json={"tokens": prompt})
+            time.sleep(0.2)
+            assert 'kvpool_router_warmups_total{result="copied"} 1.0' in http.get("/metrics").text  # once only
+        with SidecarClient(replica_url) as engine:
+            assert engine.lookup(prompt) == 16  # the replica now serves the prefix without recomputing
+            hit = engine.admit("r", prompt)
+            assert torch.equal(replica.storage.gather_pages(hit.page_ids), owner.storage.gather_pages(adm.page_ids))

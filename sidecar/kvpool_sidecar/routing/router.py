@@ -47,6 +47,7 @@ class RouteDecision:
     alternates: tuple[str, ...]  # the next choices, in order, should the pod refuse
     key: Hashable | None  # the routing key (None: the prompt has no full page)
     hot: bool  # the key is above the hot-prefix QPS
+    owner: str | None = None  # the key's ring owner (hash modes with a key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,28 +160,30 @@ class Router:
             hot = self.key_rate.add(key, now) / HOT_WINDOW_SECONDS > self.routing.hotPrefixQPS
             if len(self.key_rate) > _MAX_TRACKED_KEYS:
                 self.key_rate.prune(now, 1.0)
-        pod, reason, alternates = self._choose(key, hot, now)
+        pod, reason, alternates, owner = self._choose(key, hot, now)
         self.load.add(pod, now)
         self.decisions[reason] += 1
-        return RouteDecision(pod, reason, alternates, key, hot)
+        return RouteDecision(pod, reason, alternates, key, hot, owner)
 
-    def _choose(self, key: Hashable | None, hot: bool, now: float) -> tuple[str, str, tuple[str, ...]]:
+    def _choose(
+        self, key: Hashable | None, hot: bool, now: float
+    ) -> tuple[str, str, tuple[str, ...], str | None]:
         members = self._members
         mode = self.mode
         if mode == "random":
-            return self._random.choice(members), "random", ()
+            return self._random.choice(members), "random", (), None
         if mode == "round-robin":
             pod = members[self._next % len(members)]
             self._next += 1
-            return pod, "round-robin", ()
+            return pod, "round-robin", (), None
         if mode == "least-loaded":
-            return self._least_loaded(members, now), "least-loaded", ()
+            return self._least_loaded(members, now), "least-loaded", (), None
         if key is None:
-            return self._least_loaded(members, now), "unkeyed", ()
+            return self._least_loaded(members, now), "unkeyed", (), None
         walk = list(self.ring.walk(key_position(key)))
         owner = walk[0]
         if mode == "prefix-hash":
-            return owner, "owner", tuple(walk[1:3])
+            return owner, "owner", tuple(walk[1:3]), owner
         bound = self._bound(now)
         fits = [self.load.get(p, now) + 1 <= bound for p in walk]
         replicas = self.routing.replicas if (hot and mode == "bounded-hash+replicas") else 0
@@ -192,7 +195,7 @@ class Router:
             spill = [p for p, ok in zip(walk, fits, strict=True) if ok]
             pod = spill[0] if spill else self._least_loaded(walk, now)
             reason = "overflow"
-        return pod, reason, tuple(p for p in walk[:3] if p != pod)[:2]
+        return pod, reason, tuple(p for p in walk[:3] if p != pod)[:2], owner
 
     def route(
         self,

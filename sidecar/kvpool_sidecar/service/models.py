@@ -134,6 +134,7 @@ class RouteResponse(_Wire):
     alternates: list[RouteTarget]  # where to go next, in order, should the pod refuse
     hot: bool  # the prefix is above routing.hotPrefixQPS
     key: str | None  # the routing key (hex of the chained page hash); null: no full page
+    owner: str | None  # the key's owner on the hash ring (null: no key, or a non-hash mode)
 
 
 class PodView(_Wire):

@@ -10,16 +10,20 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpool_sidecar.client import TRANSFER_CONTENT_TYPE
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, parse_config_text
 from kvpool_sidecar.routing import REASONS, KeySpec, NoPods, Router
 from kvpool_sidecar.service import models as m
@@ -27,6 +31,7 @@ from kvpool_sidecar.service.app import ApiError, install_error_handlers, workloa
 from kvpool_sidecar.service.membership import MembershipSource
 
 log = logging.getLogger("kvpool.router")
+WARMED_MEMORY = 4096  # (prefix, replica) pairs remembered as warmed
 
 
 def key_spec(spec: KVCachePolicySpec) -> KeySpec:
@@ -48,6 +53,11 @@ class RouterMetrics:
             "kvpool_router_membership_changes", "Pods that joined or left the ring", ["change"], registry=r
         )
         self.reloads = Counter("kvpool_router_config_reloads", "Config reloads by result", ["result"], registry=r)
+        self.warmups = Counter(
+            "kvpool_router_warmups", "Replica warm-ups (owner pages exported and imported into the replica)",
+            ["result"], registry=r,
+        )
+        self.warmup_pages = Counter("kvpool_router_warmup_pages", "Pages copied into replicas", registry=r)
         self.membership_errors = Counter(
             "kvpool_router_membership_errors", "Failed membership polls (the last members were kept)", registry=r
         )
@@ -57,6 +67,8 @@ class RouterMetrics:
             self.membership.labels(change)
         for result in ("applied", "invalid"):
             self.reloads.labels(result)
+        for result in ("copied", "nothing_to_copy", "failed"):
+            self.warmups.labels(result)
         r.register(_RouterCollector(service))
 
 
@@ -86,6 +98,9 @@ class RouterService:
         mode: str = "bounded-hash+replicas",
         config_path: str | Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        warm_replicas: bool = False,
+        sidecar_token: str | None = None,
+        warm_retry_seconds: float = 5.0,
     ) -> None:
         spec = config.spec()
         self.router = Router(spec.routing, key_spec(spec), mode=mode)
@@ -95,6 +110,12 @@ class RouterService:
         self.config_path = Path(config_path) if config_path else None
         self.config_digest = hashlib.sha256(self.config_path.read_bytes()).hexdigest() if self.config_path else ""
         self.metrics = RouterMetrics(self)
+        self.warm_replicas = warm_replicas
+        self.warm_retry_seconds = warm_retry_seconds  # after an empty or failed warm-up
+        self.sidecar_token = sidecar_token
+        self._warmed: OrderedDict[tuple[Any, str], float] = OrderedDict()  # -> when a next try may start
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._http: httpx.AsyncClient | None = None
 
     # ---------------------------------------------------------------------------- membership
     def apply_members(self, members: dict[str, str]) -> None:
@@ -145,11 +166,64 @@ class RouterService:
         except NoPods:
             raise ApiError(503, "no_pods", "the router has no serving pods to route to") from None
         self.metrics.decisions.labels(decision.reason).inc()
+        if decision.reason == "replica" and self.warm_replicas and decision.owner in self.urls:
+            self._schedule_warmup(decision.key, self.urls[decision.owner], self.urls[decision.pod], body)
         return m.RouteResponse(
             pod=decision.pod, url=self.urls[decision.pod], reason=decision.reason,
             alternates=[m.RouteTarget(pod=p, url=self.urls[p]) for p in decision.alternates],
-            hot=decision.hot, key=key_text(decision.key),
+            hot=decision.hot, key=key_text(decision.key), owner=decision.owner,
         )
+
+    # ------------------------------------------------------------------------ replica warm-up
+    def _schedule_warmup(self, key: Any, owner_url: str, replica_url: str, body: m.Prompt) -> None:
+        """The first time a hot prefix lands on a replica, copy the owner's pages there in the background
+        (export -> import), so the replica borrows the owner's cache instead of recomputing it."""
+        mark = (key, replica_url)
+        now = self.clock()
+        if self._warmed.get(mark, 0.0) > now:
+            return  # warmed already, being warmed, or the owner had nothing a moment ago
+        self._warmed[mark] = math.inf
+        self._warmed.move_to_end(mark)
+        while len(self._warmed) > WARMED_MEMORY:
+            self._warmed.popitem(last=False)
+        prompt = body.model_dump(exclude_none=True)
+        task = asyncio.get_running_loop().create_task(self._warm(mark, owner_url, replica_url, prompt))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _warm(self, mark: tuple[Any, str], owner_url: str, replica_url: str, prompt: dict[str, Any]) -> None:
+        http = self._http
+        if http is None:
+            return
+        try:
+            exported = await http.post(owner_url + "/v1/transfer/export", json=prompt)
+            if exported.status_code == 404:
+                self.metrics.warmups.labels("nothing_to_copy").inc()
+                self._warmed[mark] = self.clock() + self.warm_retry_seconds
+                return
+            exported.raise_for_status()
+            imported = await http.post(replica_url + "/v1/transfer/import", content=exported.content,
+                                       headers={"content-type": TRANSFER_CONTENT_TYPE})
+            imported.raise_for_status()
+        except httpx.HTTPError as exc:
+            self.metrics.warmups.labels("failed").inc()
+            self._warmed[mark] = self.clock() + self.warm_retry_seconds
+            log.warning("warming %s from %s failed: %s", replica_url, owner_url, exc)
+            return
+        self.metrics.warmups.labels("copied").inc()
+        self.metrics.warmup_pages.inc(imported.json().get("imported_pages", 0))
+
+    async def start(self) -> None:
+        headers = {"authorization": f"Bearer {self.sidecar_token}"} if self.sidecar_token else {}
+        self._http = httpx.AsyncClient(headers=headers, timeout=30.0)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
 
     def pods(self) -> m.PodsResponse:
         loads = self.router.loads(self.clock())
@@ -162,6 +236,7 @@ def create_router_app(service: RouterService, *, membership_interval: float = 5.
                       config_interval: float = 1.0) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
         await service.poll_members()
         tasks = [asyncio.create_task(_every(membership_interval, service.poll_members))]
         if service.config_path is not None:
@@ -175,6 +250,7 @@ def create_router_app(service: RouterService, *, membership_interval: float = 5.
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await service.stop()
 
     app = FastAPI(title="kvpool router", version="0.1.0", lifespan=lifespan,
                   description="Sends each request to the inference pod that caches its prefix, with bounded load.")

@@ -118,6 +118,8 @@ class RouterOptions:
     port: int = 8080
     membership_interval: float = 5.0
     log_level: str = "info"
+    warm_replicas: bool = False
+    sidecar_token_file: str | None = None
 
 
 def build_router(options: RouterOptions) -> RouterService:
@@ -135,7 +137,14 @@ def build_router(options: RouterOptions) -> RouterService:
                              "to follow the policy's pods through the Kubernetes API")
         load_kube_config()
         source = KubernetesMembership(namespace, config.selector, options.pod_port)
-    return RouterService(config, source, mode=options.mode, config_path=options.config)
+    token = None
+    if options.sidecar_token_file:
+        try:
+            token = Path(options.sidecar_token_file).read_text().strip()
+        except OSError as exc:
+            raise ServeError(f"--sidecar-token-file {options.sidecar_token_file}: {exc.strerror}") from None
+    return RouterService(config, source, mode=options.mode, config_path=options.config,
+                         warm_replicas=options.warm_replicas, sidecar_token=token)
 
 
 def serve_router(options: RouterOptions) -> None:
