@@ -101,7 +101,8 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     serve_router(
         RouterOptions(
-            config=args.config, pods=tuple(args.pod or ()), namespace=args.namespace, pod_port=args.pod_port,
+            config=args.config, pods=tuple(args.pod or ()), namespace=args.namespace, engine_port=args.engine_port,
+            sidecar_port=args.sidecar_port,
             mode=args.mode, host=args.host, port=args.port, membership_interval=args.membership_interval,
             log_level=args.log_level, warm_replicas=args.warm_replicas, sidecar_token_file=args.sidecar_token_file,
         )
@@ -180,11 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     rtr = sub.add_parser("router", help="route requests to the pod holding their prefix (bounded-load hashing)")
     rtr.add_argument("--config", help="policy spec / sidecar config YAML (routing, pageSize, tenancy, selector); "
                      "watched and hot-reloaded")
-    rtr.add_argument("--pod", action="append", metavar="NAME=URL",
+    rtr.add_argument("--pod", action="append", metavar="NAME=ENGINE_URL[,SIDECAR_URL]",
                      help="a static member (repeatable); without it the router follows the selector's pods "
                      "through the Kubernetes API")
     rtr.add_argument("--namespace", help="namespace of the pods (default: the config's source, or the router's own)")
-    rtr.add_argument("--pod-port", type=_port, default=8000, help="sidecar API port on each pod")
+    rtr.add_argument("--engine-port", type=_port, default=8000, help="inference engine port on each pod")
+    rtr.add_argument("--sidecar-port", type=_port, default=8100, help="kvpool sidecar API port on each pod")
     rtr.add_argument("--mode", choices=ROUTING_MODES, default="bounded-hash+replicas")
     rtr.add_argument("--host", default="0.0.0.0")
     rtr.add_argument("--port", type=_port, default=8080)

@@ -17,11 +17,11 @@ import yaml
 from emulator import running_emulator
 from kvpool_sidecar.cli import main
 from kvpool_sidecar.config import LabelSelector, SidecarConfig
-from kvpool_sidecar.service.membership import KubernetesMembership, StaticMembership, parse_static
+from kvpool_sidecar.service.membership import Endpoint, KubernetesMembership, StaticMembership, parse_static
 from kvpool_sidecar.service.router_app import RouterService, create_router_app
 from support import live_app
 
-PODS = {f"pod-{i}": f"http://10.0.0.{i}:8000" for i in range(4)}
+PODS = {f"pod-{i}": Endpoint(f"http://10.0.0.{i}:8000", f"http://10.0.0.{i}:8100") for i in range(4)}
 CONFIG = {"pageSize": 4, "routing": {"prefixPages": 2}}
 
 
@@ -38,10 +38,10 @@ def wait_for(check: Any, timeout: float = 10.0) -> Any:
 class Members:
     """A membership source a test can change."""
 
-    def __init__(self, pods: dict[str, str]) -> None:
+    def __init__(self, pods: dict[str, Endpoint]) -> None:
         self.pods = dict(pods)
 
-    def members(self) -> dict[str, str]:
+    def members(self) -> dict[str, Endpoint]:
         return dict(self.pods)
 
 
@@ -55,8 +55,8 @@ def test_route_answers_the_owner_its_alternates_and_why():
     service, app = serve(StaticMembership(PODS))
     with app as url:
         first = httpx.post(url + "/v1/route", json={"tokens": list(range(40))}).json()
-        assert first["reason"] == "owner" and first["url"] == PODS[first["pod"]]
-        assert [a["url"] for a in first["alternates"]] == [PODS[a["pod"]] for a in first["alternates"]]
+        assert first["reason"] == "owner" and first["url"] == PODS[first["pod"]].url
+        assert [a["url"] for a in first["alternates"]] == [PODS[a["pod"]].url for a in first["alternates"]]
         assert len(first["alternates"]) == 2 and first["pod"] not in {a["pod"] for a in first["alternates"]}
         # Same first two pages (prefixPages=2), another tail: the same pod and key.
         again = httpx.post(url + "/v1/route", json={"tokens": list(range(8)) + [1] * 30}).json()
@@ -133,12 +133,13 @@ def test_config_is_hot_reloaded_and_a_bad_one_is_refused(tmp_path: Path):
 
 
 def test_static_members_and_cli_errors(capsys):
-    assert parse_static(["a=http://x:1/", "b=https://y:2"]) == {"a": "http://x:1", "b": "https://y:2"}
-    for bad in (["a"], ["a=ftp://x"], ["a=http://x", "a=http://y"]):
+    assert parse_static(["a=http://x:1/", "b=https://y:2,http://y:3"]) == {
+        "a": Endpoint("http://x:1", "http://x:1"), "b": Endpoint("https://y:2", "http://y:3")}
+    for bad in (["a"], ["a=ftp://x"], ["a=http://x", "a=http://y"], ["a=http://x,http://y,http://z"]):
         with pytest.raises(ValueError, match="--pod"):
             parse_static(bad)
     assert main(["router", "--pod", "nourl"]) == 2
-    assert "use name=http://host:port" in capsys.readouterr().err
+    assert "use name=http://engine:port" in capsys.readouterr().err
 
 
 def pod(name: str, labels: dict[str, str], ip: str | None = "10.1.0.1", ready: bool = True) -> dict[str, Any]:
@@ -158,11 +159,14 @@ def test_kubernetes_membership_follows_the_policys_serving_pods():
         core.create_namespaced_pod("llm", pod("chat-2", {"app": "chat"}, "10.1.0.3", ready=False))
         core.create_namespaced_pod("llm", pod("chat-3", {"app": "chat"}, None))
         core.create_namespaced_pod("llm", pod("api-0", {"app": "api"}, "10.1.0.9"))
-        source = KubernetesMembership("llm", selector, port=8000)
-        assert source.members() == {"chat-0": "http://10.1.0.1:8000", "chat-1": "http://10.1.0.2:8000"}
+        source = KubernetesMembership("llm", selector, port=8000, sidecar_port=8100)
+        assert source.members() == {"chat-0": Endpoint("http://10.1.0.1:8000", "http://10.1.0.1:8100"),
+                                    "chat-1": Endpoint("http://10.1.0.2:8000", "http://10.1.0.2:8100")}
         service, app = serve(source)
         with app as url:
-            assert sorted(p["pod"] for p in httpx.get(url + "/v1/pods").json()["pods"]) == ["chat-0", "chat-1"]
+            pods = httpx.get(url + "/v1/pods").json()["pods"]
+            assert [(p["pod"], p["sidecar_url"]) for p in pods] == [("chat-0", "http://10.1.0.1:8100"),
+                                                                   ("chat-1", "http://10.1.0.2:8100")]
             core.delete_namespaced_pod("chat-0", "llm")
             wait_for(lambda: [p["pod"] for p in httpx.get(url + "/v1/pods").json()["pods"]] == ["chat-1"])
             assert httpx.post(url + "/v1/route", json={"tokens": list(range(40))}).json()["url"] == \
@@ -182,7 +186,8 @@ def test_a_hot_prefix_warms_its_replica_from_the_owner():
     with live_sidecar(sidecar_config, pages=16, storage=KVStorage(shape, 4, pages=16)) as (url_a, a), \
             live_sidecar(sidecar_config, pages=16, storage=KVStorage(shape, 4, pages=16)) as (url_b, b):
         config = {"pageSize": 4, "routing": {"prefixPages": 1, "hotPrefixQPS": 0.01, "replicas": 1, "loadFactor": 10}}
-        service = RouterService(SidecarConfig.model_validate(config), StaticMembership({"a": url_a, "b": url_b}),
+        members = {"a": Endpoint("http://engine-a", url_a), "b": Endpoint("http://engine-b", url_b)}
+        service = RouterService(SidecarConfig.model_validate(config), StaticMembership(members),
                                 warm_replicas=True, warm_retry_seconds=0.05)
         with live_app(create_router_app(service)) as url, httpx.Client(base_url=url) as http:
             first = http.post("/v1/route", json={"tokens": prompt}).json()

@@ -1,7 +1,8 @@
 """Where a router's pods come from: a static list, or the Kubernetes API (the pods of a policy).
 
-A source answers the current members as ``{pod name: sidecar base URL}``. The router polls it; an
-error keeps the last known members (an API hiccup must not empty the ring and move every key).
+A source answers the current members as ``{pod name: Endpoint}``: the engine URL requests are routed
+to, and the pod's sidecar URL (page transfers for replica warm-ups). The router polls it; an error
+keeps the last known members (an API hiccup must not empty the ring and move every key).
 """
 
 from __future__ import annotations
@@ -9,35 +10,49 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvpool_sidecar.config import LabelSelector
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
+class Endpoint(NamedTuple):
+    url: str  # where the pod's requests go (the inference engine)
+    sidecar_url: str  # the pod's kvpool sidecar API
+
+
 class MembershipSource(Protocol):
-    def members(self) -> dict[str, str]: ...
+    def members(self) -> dict[str, Endpoint]: ...
 
 
 class StaticMembership:
-    def __init__(self, pods: dict[str, str]) -> None:
+    def __init__(self, pods: dict[str, Endpoint]) -> None:
         self._pods = dict(pods)
 
-    def members(self) -> dict[str, str]:
+    def members(self) -> dict[str, Endpoint]:
         return dict(self._pods)
 
 
-def parse_static(items: list[str]) -> dict[str, str]:
-    """``name=url`` items (``--pod`` flags) as a member map; a clear error names the bad item."""
-    pods: dict[str, str] = {}
+def _url(text: str, item: str) -> str:
+    if not text.startswith(("http://", "https://")) or len(text) <= len("https://"):
+        raise ValueError(f"--pod {item!r}: use name=http://engine:port[,http://sidecar:port]")
+    return text.rstrip("/")
+
+
+def parse_static(items: list[str]) -> dict[str, Endpoint]:
+    """``name=ENGINE_URL[,SIDECAR_URL]`` items (``--pod`` flags); a clear error names the bad item."""
+    pods: dict[str, Endpoint] = {}
     for item in items:
-        name, sep, url = item.partition("=")
-        if not sep or not name or not url.startswith(("http://", "https://")):
-            raise ValueError(f"--pod {item!r}: use name=http://host:port")
+        name, sep, urls = item.partition("=")
+        parts = urls.split(",")
+        if not sep or not name or len(parts) > 2:
+            raise ValueError(f"--pod {item!r}: use name=http://engine:port[,http://sidecar:port]")
+        engine = _url(parts[0], item)
+        sidecar = _url(parts[1], item) if len(parts) == 2 else engine
         if name in pods:
             raise ValueError(f"--pod {item!r}: pod {name!r} is listed twice")
-        pods[name] = url.rstrip("/")
+        pods[name] = Endpoint(engine, sidecar)
     return pods
 
 
@@ -52,7 +67,8 @@ def is_serving(pod: dict[str, Any]) -> bool:
 
 @dataclass
 class KubernetesMembership:
-    """The serving pods of ``namespace`` that ``selector`` matches, each at ``http://<pod IP>:<port>``.
+    """The serving pods of ``namespace`` that ``selector`` matches: the engine at ``http://<pod IP>:<port>``,
+    the sidecar at ``http://<pod IP>:<sidecar_port>``.
 
     The selector goes to the API server as ``labelSelector`` and is applied again here, so a server
     that ignores it (an emulator) gives the same answer.
@@ -61,15 +77,17 @@ class KubernetesMembership:
     namespace: str
     selector: LabelSelector
     port: int = 8000
+    sidecar_port: int = 8100
     list_pods: Callable[[str, str], list[dict[str, Any]]] | None = None
 
-    def members(self) -> dict[str, str]:
+    def members(self) -> dict[str, Endpoint]:
         pods = (self.list_pods or _list_pods)(self.namespace, self.selector.to_query())
         out = {}
         for pod in pods:
             labels = (pod.get("metadata") or {}).get("labels") or {}
             if self.selector.matches(labels) and is_serving(pod):
-                out[pod["metadata"]["name"]] = f"http://{pod['status']['podIP']}:{self.port}"
+                ip = pod["status"]["podIP"]
+                out[pod["metadata"]["name"]] = Endpoint(f"http://{ip}:{self.port}", f"http://{ip}:{self.sidecar_port}")
         return out
 
 

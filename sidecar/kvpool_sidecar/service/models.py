@@ -140,6 +140,7 @@ class RouteResponse(_Wire):
 class PodView(_Wire):
     pod: str
     url: str
+    sidecar_url: str
     load: float
 
 

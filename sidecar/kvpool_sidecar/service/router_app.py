@@ -28,7 +28,7 @@ from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig,
 from kvpool_sidecar.routing import REASONS, KeySpec, NoPods, Router
 from kvpool_sidecar.service import models as m
 from kvpool_sidecar.service.app import ApiError, install_error_handlers, workload_meta
-from kvpool_sidecar.service.membership import MembershipSource
+from kvpool_sidecar.service.membership import Endpoint, MembershipSource
 
 log = logging.getLogger("kvpool.router")
 WARMED_MEMORY = 4096  # (prefix, replica) pairs remembered as warmed
@@ -105,7 +105,7 @@ class RouterService:
         spec = config.spec()
         self.router = Router(spec.routing, key_spec(spec), mode=mode)
         self.source = source
-        self.urls: dict[str, str] = {}
+        self.urls: dict[str, Endpoint] = {}
         self.clock = clock
         self.config_path = Path(config_path) if config_path else None
         self.config_digest = hashlib.sha256(self.config_path.read_bytes()).hexdigest() if self.config_path else ""
@@ -118,7 +118,7 @@ class RouterService:
         self._http: httpx.AsyncClient | None = None
 
     # ---------------------------------------------------------------------------- membership
-    def apply_members(self, members: dict[str, str]) -> None:
+    def apply_members(self, members: dict[str, Endpoint]) -> None:
         joined, left = self.router.set_pods(list(members))
         self.urls = dict(members)
         if joined or left:
@@ -167,10 +167,11 @@ class RouterService:
             raise ApiError(503, "no_pods", "the router has no serving pods to route to") from None
         self.metrics.decisions.labels(decision.reason).inc()
         if decision.reason == "replica" and self.warm_replicas and decision.owner in self.urls:
-            self._schedule_warmup(decision.key, self.urls[decision.owner], self.urls[decision.pod], body)
+            self._schedule_warmup(decision.key, self.urls[decision.owner].sidecar_url,
+                                  self.urls[decision.pod].sidecar_url, body)
         return m.RouteResponse(
-            pod=decision.pod, url=self.urls[decision.pod], reason=decision.reason,
-            alternates=[m.RouteTarget(pod=p, url=self.urls[p]) for p in decision.alternates],
+            pod=decision.pod, url=self.urls[decision.pod].url, reason=decision.reason,
+            alternates=[m.RouteTarget(pod=p, url=self.urls[p].url) for p in decision.alternates],
             hot=decision.hot, key=key_text(decision.key), owner=decision.owner,
         )
 
@@ -228,7 +229,8 @@ class RouterService:
     def pods(self) -> m.PodsResponse:
         loads = self.router.loads(self.clock())
         return m.PodsResponse(mode=self.router.mode, pods=[
-            m.PodView(pod=p, url=self.urls[p], load=loads.get(p, 0.0)) for p in self.router.pods
+            m.PodView(pod=p, url=self.urls[p].url, sidecar_url=self.urls[p].sidecar_url, load=loads.get(p, 0.0))
+            for p in self.router.pods
         ])
 
 

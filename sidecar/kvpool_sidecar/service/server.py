@@ -110,9 +110,10 @@ def serve(options: ServeOptions) -> None:
 @dataclass(frozen=True)
 class RouterOptions:
     config: str | None = None
-    pods: tuple[str, ...] = ()  # name=url items: a static member list instead of the Kubernetes API
+    pods: tuple[str, ...] = ()  # name=engine_url[,sidecar_url] items: static members, not the Kubernetes API
     namespace: str | None = None
-    pod_port: int = 8000
+    engine_port: int = 8000
+    sidecar_port: int = 8100
     mode: str = "bounded-hash+replicas"
     host: str = "0.0.0.0"
     port: int = 8080
@@ -136,7 +137,7 @@ def build_router(options: RouterOptions) -> RouterService:
             raise ServeError("give --pod name=url items, or --namespace (or a config rendered by the operator) "
                              "to follow the policy's pods through the Kubernetes API")
         load_kube_config()
-        source = KubernetesMembership(namespace, config.selector, options.pod_port)
+        source = KubernetesMembership(namespace, config.selector, options.engine_port, options.sidecar_port)
     token = None
     if options.sidecar_token_file:
         try:
