@@ -9,11 +9,15 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import httpx
 import kubernetes_validate
 import pytest
 import yaml
 from kvpool_sidecar.client import SidecarClient
-from support import live_sidecar
+from kvpool_sidecar.config import SidecarConfig
+from kvpool_sidecar.service.membership import Endpoint, StaticMembership
+from kvpool_sidecar.service.router_app import RouterService, create_router_app
+from support import live_app, live_sidecar
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
@@ -70,8 +74,9 @@ def test_rbac_is_least_privilege():
     assert all(b["roleRef"]["name"] != "cluster-admin" for b in bindings)
 
 
-def test_operator_deployment_is_hardened():
-    deploy = next(d for _, d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvpool-operator")
+@pytest.mark.parametrize("name", ["kvpool-operator", "kvpool-router"])
+def test_operator_and_router_deployments_are_hardened(name: str):
+    deploy = next(d for _, d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
     pod = deploy["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -91,7 +96,7 @@ def test_promtool_accepts_the_alert_rules(tmp_path):
     proc = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     alerts = [r for g in rule_groups()["groups"] for r in g["rules"] if "alert" in r]
-    assert len(alerts) == 5 and all(r["annotations"].get("runbook") for r in alerts)
+    assert len(alerts) == 7 and all(r["annotations"].get("runbook") for r in alerts)
 
 
 def exported_metric_names() -> set[str]:
@@ -101,6 +106,10 @@ def exported_metric_names() -> set[str]:
             c.commit(f"s{i}", 9)
             c.release(f"s{i}")
         text = c.metrics()
+    service = RouterService(SidecarConfig(), StaticMembership({"p": Endpoint("http://p:8000", "http://p:8100")}))
+    with live_app(create_router_app(service)) as url:
+        httpx.post(url + "/v1/route", json={"tokens": list(range(64))})
+        text += httpx.get(url + "/metrics").text
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
@@ -113,4 +122,20 @@ def test_dashboard_and_rules_query_only_exported_metrics():
     exported = exported_metric_names()
     missing = {m for m in used if m not in exported and m not in recorded}
     assert not missing, f"queried but not exported: {sorted(missing)}"
-    assert {"kvpool_hit_tokens_total", "kvpool_reuse_decay_per_minute", "kvpool_pages"} <= used
+    assert {"kvpool_hit_tokens_total", "kvpool_reuse_decay_per_minute", "kvpool_pages", "kvpool_router_pods",
+            "kvpool_router_decisions_total"} <= used
+
+
+def test_container_args_are_flags_the_cli_accepts():
+    from kvpool_sidecar.cli import build_parser
+
+    checked = 0
+    for _, doc in documents():
+        if doc["kind"] != "Deployment":
+            continue
+        for container in doc["spec"]["template"]["spec"]["containers"]:
+            if "kvpool-sidecar" in container["image"]:
+                args = build_parser().parse_args(container["args"])  # exits (SystemExit) on an unknown flag
+                assert args.command in ("serve", "router")
+                checked += 1
+    assert checked == 2  # the inference pod's sidecar and the router
