@@ -115,3 +115,21 @@ def test_source_rides_beside_the_spec():
     cfg = parse_config_text("pageSize: 32\nsource: {name: chat, namespace: llm, generation: 3, hash: abc}\n")
     assert cfg.source is not None and cfg.source.generation == 3
     assert cfg.spec().pageSize == 32
+
+
+def test_every_spec_field_is_documented():
+    from pydantic import BaseModel
+
+    def leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
+        out = []
+        for name, field in model.model_fields.items():
+            kind = field.annotation
+            if isinstance(kind, type) and issubclass(kind, BaseModel) and name != "selector":
+                out += leaves(kind, f"{prefix}{name}.")
+            else:
+                out.append(prefix + name)
+        return out
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "policy.md").read_text()
+    missing = [f for f in leaves(KVCachePolicySpec) if f"`{f}`" not in doc]
+    assert not missing, f"docs/policy.md lacks {missing}"
