@@ -410,10 +410,12 @@ class PagePool:
         if not exclude and headroom <= 0:
             return len(policies[part])
         evictable = [len(p) for p in policies]
+        ref = self._ref
+        pins = self._pins
+        part_of = self._part
         for page in exclude:
-            owner = self._part[page]
-            if page in policies[owner]:
-                evictable[owner] -= 1
+            if not ref[page] and not pins[page]:  # cached, unpinned: in its policy (I1)
+                evictable[part_of[page]] -= 1
         if headroom <= 0:
             return evictable[part]
         return evictable[part] + min(headroom, len(self._free) + evictable[1 - part])
