@@ -154,6 +154,10 @@ class Tenancy(_Model):
 
 
 class Learning(_Model):
+    classBy: list[Literal["requestType", "turn"]] = Field(
+        default_factory=lambda: ["requestType", "turn"],
+        description="what splits a workload class into statistics classes (empty: one fit per workload class)",
+    )
     coldStartPeriod: str = Field(default="168h", pattern=DURATION_PATTERN)
     minSamples: int = Field(default=200, ge=1, description="reuses a class needs before its own fit is used")
     driftThresholdPercent: float = Field(default=20, gt=0, le=1000)

@@ -333,6 +333,7 @@ class PagePool:
         self._shared_first = frozenset(spec.tenancy.sharedPrefixes)
         self._autopin = spec.pinning.autoPin
         self._windows = {TO_C: spec.workloads.toC.window_seconds, TO_B: spec.workloads.toB.window_seconds}
+        self._class_by = (("requestType" in spec.learning.classBy), ("turn" in spec.learning.classBy))
         self.spec = spec
 
     def _new_policy(self, spec: KVCachePolicySpec, part: int) -> EvictionPolicy:
@@ -369,6 +370,14 @@ class PagePool:
     @property
     def policies(self) -> tuple[EvictionPolicy, ...]:
         return tuple(self._policies)
+
+    def class_of(self, meta: WorkloadMeta) -> Hashable:
+        """The statistics class of a request: ``meta.class_key`` less what ``learning.classBy`` leaves out."""
+        by_type, by_turn = self._class_by
+        if by_type and by_turn:
+            return meta.class_key
+        wclass, rtype, turn = meta.class_key
+        return (wclass, rtype if by_type else "", turn if by_turn else 0)
 
     def partition_of(self, meta: WorkloadMeta) -> int:
         # With no to-B share there is one shared partition.
@@ -645,7 +654,7 @@ class PagePool:
         self.hit_tokens += cached_tokens
         self.lookup_tokens += n
         self._seqs[seq_id] = _Seq(seq_id, meta, part, pages, keys, n, n, cached_tokens, len(hits), False,
-                                  meta.class_key)
+                                  self.class_of(meta))
         self._alloc_slots += len(pages) * ps
         self._used_slots += n
         return Admission(seq_id, cached_tokens, pages, cross_user * ps, self.evictions - evictions, keys)

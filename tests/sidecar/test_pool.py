@@ -296,3 +296,23 @@ def test_live_reconfigure_keeps_pages_and_refuses_page_size_change():
     run(pool, "b", [5] * 8)
     assert pool.stats().partitions[TO_C].owned <= 4
     pool.check_invariants()
+
+
+def test_class_by_chooses_what_splits_the_reuse_statistics():
+    def classes_after(class_by: list[str]) -> set:
+        spec = KVCachePolicySpec.model_validate(
+            {"pageSize": 4, "eviction": {"policy": "lru"}, "learning": {"classBy": class_by}}
+        )
+        pool = PagePool(32, spec, clock=lambda: 0.0)
+        for i, (rtype, turn) in enumerate([("text", 0), ("file", 3), ("text", 1)]):
+            meta = WorkloadMeta(request_type=rtype, turn=turn)
+            pool.admit("s", block_hashes=[i, 100 + i], meta=meta, now=float(i))
+            pool.commit("s", 8)
+            pool.release("s", now=float(i))
+            pool.admit("again", block_hashes=[i, 100 + i], meta=meta, now=i + 0.5)  # a reuse to fit
+            pool.release("again", now=i + 0.5)
+        return {k for k in pool.model.classes() if len(k) == 3}
+
+    assert classes_after(["requestType", "turn"]) == {("toC", "text", 0), ("toC", "file", 3), ("toC", "text", 1)}
+    assert classes_after(["turn"]) == {("toC", "", 0), ("toC", "", 3), ("toC", "", 1)}
+    assert classes_after([]) == {("toC", "", 0)}
