@@ -155,7 +155,7 @@ class Tenancy(_Model):
 
 class Learning(_Model):
     classBy: list[Literal["requestType", "turn"]] = Field(
-        default_factory=lambda: ["requestType", "turn"],
+        default_factory=lambda: ["turn"],
         description="what splits a workload class into statistics classes (empty: one fit per workload class)",
     )
     coldStartPeriod: str = Field(default="168h", pattern=DURATION_PATTERN)
