@@ -79,6 +79,7 @@ class Router:
         self.ring = HashRing(self.routing.virtualNodes)
         self.load = DecayedCounter(self.routing.load_window_seconds)
         self.key_rate = DecayedCounter(HOT_WINDOW_SECONDS)
+        self._prune_at = _MAX_TRACKED_KEYS
         self._members: list[str] = []
         self.decisions: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.set_pods(pods)
@@ -158,8 +159,9 @@ class Router:
         hot = False
         if key is not None:
             hot = self.key_rate.add(key, now) / HOT_WINDOW_SECONDS > self.routing.hotPrefixQPS
-            if len(self.key_rate) > _MAX_TRACKED_KEYS:
-                self.key_rate.prune(now, 1.0)
+            if len(self.key_rate) > self._prune_at:
+                self.key_rate.prune(now, 1.0)  # keys seen less than about once a window
+                self._prune_at = max(_MAX_TRACKED_KEYS, 2 * len(self.key_rate))  # amortised O(1)
         pod, reason, alternates, owner = self._choose(key, hot, now)
         self.load.add(pod, now)
         self.decisions[reason] += 1

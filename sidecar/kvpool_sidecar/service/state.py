@@ -205,36 +205,41 @@ class Sidecar:
         self.metrics.transfer_pages.labels("export").inc(n)
         return transfer.encode(header, data), n
 
-    def import_prefix(self, payload: bytes) -> dict[str, int]:
-        """Verify a payload, then cache its pages here: all or nothing (a refusal changes nothing)."""
+    def verify_import(self, payload: bytes) -> tuple[transfer.TransferHeader, Any]:
+        """Check a payload against this pool without touching it (no lock needed: it reads only the
+        storage's fixed shape); returns the header and the pages' KV."""
         try:
-            return self._import(payload)
+            storage = self._need_storage()
+            header, data = transfer.decode(payload)
+            if header.pages > self.pool.total_pages:
+                raise transfer.TransferError(
+                    "too_large", f"{header.pages} pages do not fit a pool of {self.pool.total_pages}",
+                    "header.pages",
+                )
+            return header, transfer.verify(header, data, storage)
         except transfer.TransferError as exc:
             self.metrics.transfer_refused.labels(exc.reason).inc()
             raise
-        except PoolError:
-            self.metrics.transfer_refused.labels("does_not_fit").inc()
-            raise
 
-    def _import(self, payload: bytes) -> dict[str, int]:
+    def import_prefix(self, header: transfer.TransferHeader, kv: Any) -> dict[str, int]:
+        """Cache a verified payload's pages here: all or nothing (a refusal changes nothing)."""
         storage = self._need_storage()
-        header, data = transfer.decode(payload)
-        if header.pages > self.pool.total_pages:
-            raise transfer.TransferError(
-                "too_large", f"{header.pages} pages do not fit a pool of {self.pool.total_pages}", "header.pages"
-            )
-        kv = transfer.verify(header, data, storage)
         meta = WorkloadMeta(**header.meta.model_dump())
         keys, _ = self.pool.cached_prefix(header.tokens, block_hashes=header.block_hashes,
                                           num_tokens=header.num_tokens, meta=meta)
         if [transfer.key_text(k) for k in keys] != header.keys:
+            self.metrics.transfer_refused.labels("hash_mismatch").inc()
             raise transfer.TransferError(
                 "hash_mismatch", "the pages' keys differ from this pool's hashes of their prompt "
                 "(another tenant, page size or hashing rule, or a corrupted prompt)", "header.keys",
             )
         seq = f"import:{secrets.token_hex(8)}"
-        adm = self.pool.admit(seq, header.tokens, block_hashes=header.block_hashes, num_tokens=header.num_tokens,
-                              meta=meta)  # may raise PoolExhausted: nothing changed yet
+        try:
+            adm = self.pool.admit(seq, header.tokens, block_hashes=header.block_hashes,
+                                  num_tokens=header.num_tokens, meta=meta)  # nothing changed if it raises
+        except PoolError:
+            self.metrics.transfer_refused.labels("does_not_fit").inc()
+            raise
         ps = self.pool.page_size
         first_new = adm.num_cached_tokens // ps
         try:
