@@ -198,10 +198,11 @@ def test_membership_change_moves_about_one_in_n_keys(conversation_head, membersh
 
 
 @needs_traces
-def test_cli_cluster_replay_json_rows(capsys):
+def test_cli_cluster_replay_json_rows(capsys, tmp_path):
+    plot = tmp_path / "cluster.png"
     rc = main(["replay", str(CONVERSATION), "--pods", "2", "--routing", "prefix-hash", "--routing", "round-robin",
-               "--capacity", "0.02", "--format", "json", "--no-progress"])
-    assert rc == 0
+               "--capacity", "0.02", "--format", "json", "--no-progress", "--plot", str(plot)])
+    assert rc == 0 and plot.stat().st_size > 1000
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["pods"], r["routing"]) for r in rows] == [(2, "prefix-hash"), (2, "round-robin")]
     assert all(r["load_imbalance"] >= 1.0 and r["keys_moved"] is None for r in rows)

@@ -62,7 +62,8 @@ def plot(results: list[ReplayResult], path: str | Path, title: str) -> None:
     by_policy: dict[str, list[ReplayResult]] = {}
     for r in results:
         if r.policy != "infinite":
-            by_policy.setdefault(r.policy, []).append(r)
+            label = f"{r.policy}, {r.pods} pods, {r.routing}" if r.routing else r.policy
+            by_policy.setdefault(label, []).append(r)
     for policy, rows in by_policy.items():
         rows.sort(key=lambda r: r.capacity_fraction)
         style = "--" if policy == "belady" else "-"
