@@ -215,3 +215,16 @@ def test_a_hot_prefix_warms_its_replica_from_the_owner():
             assert engine.lookup(prompt) == 16  # the replica now serves the prefix without recomputing
             hit = engine.admit("r", prompt)
             assert torch.equal(replica.storage.gather_pages(hit.page_ids), owner.storage.gather_pages(adm.page_ids))
+
+
+def test_a_router_token_guards_the_v1_api_but_not_probes():
+    service = RouterService(SidecarConfig.model_validate(CONFIG), StaticMembership(PODS))
+    with live_app(create_router_app(service, token="s3cret-token-0123456789")) as url:
+        refused = httpx.post(url + "/v1/route", json={"tokens": list(range(40))})
+        assert refused.status_code == 401 and refused.json()["field"] == "authorization"
+        assert httpx.get(url + "/v1/pods").status_code == 401
+        ok = httpx.post(url + "/v1/route", json={"tokens": list(range(40))},
+                        headers={"authorization": "Bearer s3cret-token-0123456789"})
+        assert ok.status_code == 200
+        assert httpx.get(url + "/readyz").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+    assert sum(service.router.decisions.values()) == 1  # the refused call routed nothing

@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -50,6 +50,20 @@ TRANSFER_STATUS = {"not_cached": 404, "no_storage": 404, "corrupt_payload": 400,
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": m.ErrorResponse} for code in (400, 401, 404, 409, 422, 503)
 }
+
+
+def bearer_auth(token: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that requires ``Authorization: Bearer <token>`` (nothing when ``token`` is None)."""
+
+    async def authorize(request: Request) -> None:
+        if token is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+            raise ApiError(401, "unauthorized", "a valid bearer token is required", "authorization")
+
+    return authorize
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -113,17 +127,9 @@ def create_app(
         responses=ERROR_RESPONSES,
     )
 
-    async def authorize(request: Request) -> None:
-        if token is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
-            raise ApiError(401, "unauthorized", "a valid bearer token is required", "authorization")
-
     install_error_handlers(app)
 
-    v1 = [Depends(authorize)]
+    v1 = [Depends(bearer_auth(token))]
 
     @app.post("/v1/sequences", response_model=m.AdmitResponse, dependencies=v1, tags=["sequences"])
     async def admit(body: m.AdmitRequest) -> m.AdmitResponse:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -27,7 +27,7 @@ from kvpool_sidecar.client import TRANSFER_CONTENT_TYPE
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, parse_config_text
 from kvpool_sidecar.routing import REASONS, KeySpec, NoPods, Router
 from kvpool_sidecar.service import models as m
-from kvpool_sidecar.service.app import ApiError, install_error_handlers, workload_meta
+from kvpool_sidecar.service.app import ApiError, bearer_auth, install_error_handlers, workload_meta
 from kvpool_sidecar.service.membership import Endpoint, MembershipSource
 
 log = logging.getLogger("kvpool.router")
@@ -235,7 +235,7 @@ class RouterService:
 
 
 def create_router_app(service: RouterService, *, membership_interval: float = 5.0,
-                      config_interval: float = 1.0) -> FastAPI:
+                      config_interval: float = 1.0, token: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
@@ -258,13 +258,15 @@ def create_router_app(service: RouterService, *, membership_interval: float = 5.
                   description="Sends each request to the inference pod that caches its prefix, with bounded load.")
     install_error_handlers(app)
 
-    @app.post("/v1/route", response_model=m.RouteResponse, tags=["routing"],
+    v1 = [Depends(bearer_auth(token))]
+
+    @app.post("/v1/route", response_model=m.RouteResponse, tags=["routing"], dependencies=v1,
               responses={503: {"model": m.ErrorResponse}, 422: {"model": m.ErrorResponse}})
     async def route(body: m.Prompt) -> m.RouteResponse:
         """The pod for this prompt (tokens or block hashes + workload metadata), the alternates and why."""
         return service.route(body)
 
-    @app.get("/v1/pods", response_model=m.PodsResponse, tags=["routing"])
+    @app.get("/v1/pods", response_model=m.PodsResponse, tags=["routing"], dependencies=v1)
     async def pods() -> m.PodsResponse:
         return service.pods()
 

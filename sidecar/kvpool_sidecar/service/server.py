@@ -121,6 +121,7 @@ class RouterOptions:
     log_level: str = "info"
     warm_replicas: bool = False
     sidecar_token_file: str | None = None
+    token_file: str | None = None  # bearer token required of /v1 clients (optional: routing is read-only)
 
 
 def build_router(options: RouterOptions) -> RouterService:
@@ -151,5 +152,8 @@ def build_router(options: RouterOptions) -> RouterService:
 def serve_router(options: RouterOptions) -> None:
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     service = build_router(options)
-    app = create_router_app(service, membership_interval=options.membership_interval)
+    token = None
+    if options.token_file:
+        token = read_token(ServeOptions(host=options.host, token_file=options.token_file))
+    app = create_router_app(service, membership_interval=options.membership_interval, token=token)
     uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
