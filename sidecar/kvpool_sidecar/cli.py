@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, load_config
@@ -16,14 +16,21 @@ from kvpool_sidecar.routing import ROUTING_MODES
 EXIT_USAGE = 2
 
 
-def _capacity(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be above 0 (at most 1: a fraction of distinct blocks; above: pages)")
-    return value
+def _above_zero(rule: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(rule)
+        return value
+
+    return parse
+
+
+_capacity = _above_zero("must be above 0 (at most 1: a fraction of distinct blocks; above: pages)")
+_seconds = _above_zero("must be a number of seconds above 0")
 
 
 def _positive_int(text: str) -> int:
@@ -33,16 +40,6 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError("must be above 0")
     return value
 
 

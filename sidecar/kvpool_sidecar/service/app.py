@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -50,6 +50,18 @@ TRANSFER_STATUS = {"not_cached": 404, "no_storage": 404, "corrupt_payload": 400,
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": m.ErrorResponse} for code in (400, 401, 404, 409, 422, 503)
 }
+
+
+@contextlib.asynccontextmanager
+async def background(jobs: list[Coroutine[Any, Any, None]]) -> AsyncIterator[None]:
+    """Run ``jobs`` as tasks for the duration; cancel and await them on the way out."""
+    tasks = [asyncio.create_task(job) for job in jobs]
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def bearer_auth(token: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -107,17 +119,13 @@ def create_app(
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        tasks = []
+        jobs = []
         if sidecar.config_path is not None:
-            tasks.append(asyncio.create_task(_watch_config(sidecar, poll_interval)))
+            jobs.append(_watch_config(sidecar, poll_interval))
         if pre_evict_interval > 0:
-            tasks.append(asyncio.create_task(_pre_evict_when_idle(sidecar, pre_evict_interval)))
-        try:
+            jobs.append(_pre_evict_when_idle(sidecar, pre_evict_interval))
+        async with background(jobs):
             yield
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
 
     app = FastAPI(
         title="kvpool sidecar",

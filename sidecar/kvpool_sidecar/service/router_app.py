@@ -27,7 +27,7 @@ from kvpool_sidecar.client import TRANSFER_CONTENT_TYPE
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, parse_config_text
 from kvpool_sidecar.routing import REASONS, KeySpec, NoPods, Router
 from kvpool_sidecar.service import models as m
-from kvpool_sidecar.service.app import ApiError, bearer_auth, install_error_handlers, workload_meta
+from kvpool_sidecar.service.app import ApiError, background, bearer_auth, install_error_handlers, workload_meta
 from kvpool_sidecar.service.membership import Endpoint, MembershipSource
 
 log = logging.getLogger("kvpool.router")
@@ -240,18 +240,16 @@ def create_router_app(service: RouterService, *, membership_interval: float = 5.
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
         await service.poll_members()
-        tasks = [asyncio.create_task(_every(membership_interval, service.poll_members))]
+        jobs = [_every(membership_interval, service.poll_members)]
         if service.config_path is not None:
             async def config() -> None:
                 service.poll_config()
 
-            tasks.append(asyncio.create_task(_every(config_interval, config)))
+            jobs.append(_every(config_interval, config))
         try:
-            yield
+            async with background(jobs):
+                yield
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             await service.stop()
 
     app = FastAPI(title="kvpool router", version="0.1.0", lifespan=lifespan,
