@@ -31,13 +31,15 @@ from dataclasses import dataclass, field
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies import EvictionPolicy, PolicyContext, PolicyFactory, make_policy
-from kvpool_sidecar.workload import ReuseModel
+from kvpool_sidecar.workload import DecayedCounter, ReuseModel
 
 NO_PAGE = -1
 TO_C = "toC"
 TO_B = "toB"
 DEFAULT_TENANT = "default"
 _PARTITIONS = (TO_C, TO_B)
+PREFIX_RATE_WINDOW = 10.0  # seconds over which a prefix's QPS is measured (auto-pin by QPS)
+_MAX_TRACKED_PREFIXES = 65_536  # prefix rates kept before the cold ones are pruned
 _TURN_BUCKETS = (0, 1, 2, 3, 3, 5)
 
 
@@ -316,6 +318,10 @@ class PagePool:
         self.lookup_tokens = 0
         self.autopins = 0
         self.autopins_refused = 0
+        # First-page key -> recent admissions: a prefix above autoPin.minPrefixQPS keeps its shared
+        # pages pinned (the page-length rule's sibling).
+        self._prefix_rate = DecayedCounter(PREFIX_RATE_WINDOW)
+        self._prune_prefix_rates_at = _MAX_TRACKED_PREFIXES
         self.pre_evictions = 0
         self.spec = spec
         self._apply(spec)
@@ -657,6 +663,8 @@ class PagePool:
                                   self.class_of(meta))
         self._alloc_slots += len(pages) * ps
         self._used_slots += n
+        if keys and self._autopin.enabled:
+            self._pin_hot_prefix(keys[0], hits, meta, now)
         return Admission(seq_id, cached_tokens, pages, cross_user * ps, self.evictions - evictions, keys)
 
     def _seq(self, seq_id: str) -> _Seq:
@@ -949,6 +957,23 @@ class PagePool:
             return
         try:
             self._pin_pages(pages, self._windows.get(seq.meta.workload_class, self._windows[TO_C]), now)
+            self.autopins += 1
+        except QuotaExceeded:
+            self.autopins_refused += 1
+
+    def _pin_hot_prefix(self, first_key: Hashable, hits: list[int], meta: WorkloadMeta, now: float) -> None:
+        """A prefix admitted more than ``autoPin.minPrefixQPS`` times a second (by its first page) keeps
+        the pages this request shared with earlier ones pinned for its class window: what is hot is
+        exactly what was reused. A pin past the quota is refused quietly (counted)."""
+        rates = self._prefix_rate
+        rate = rates.add(first_key, now) / PREFIX_RATE_WINDOW
+        if len(rates) > self._prune_prefix_rates_at:
+            rates.prune(now, 1.0)  # prefixes seen less than about once a window
+            self._prune_prefix_rates_at = max(_MAX_TRACKED_PREFIXES, 2 * len(rates))
+        if rate <= self._autopin.minPrefixQPS or not hits or all(self._pins[p] for p in hits):
+            return
+        try:
+            self._pin_pages(hits, self._windows.get(meta.workload_class, self._windows[TO_C]), now)
             self.autopins += 1
         except QuotaExceeded:
             self.autopins_refused += 1

@@ -208,6 +208,45 @@ def test_auto_pin_long_prompts_for_their_class_window():
     assert pool.stats().pins == 0
 
 
+def test_auto_pin_hot_prefixes_by_qps():
+    now = [0.0]
+    spec = {"pageSize": PS, "eviction": {"policy": "lru"},
+            "pinning": {"quotaPercent": 30, "autoPin": {"minPromptTokens": 10_000, "minPrefixQPS": 2}}}
+    pool = PagePool(40, KVCachePolicySpec.model_validate(spec), clock=lambda: now[0])
+    system = list(range(8))  # a shared 2-page system prompt
+    for i in range(10):  # one request every 2 s: 0.5/s, below 2/s
+        now[0] = 2.0 * i
+        run(pool, f"slow{i}", system + [100 + i] * 4)
+    assert pool.stats().pins == 0
+    for i in range(30):  # ten a second: hot
+        now[0] = 100.0 + 0.1 * i
+        run(pool, f"hot{i}", system + [200 + i] * 4)
+    pins = list(pool.pins.values())
+    assert len(pins) == 1 and pool.autopins == 1  # pinned once, not once per request
+    assert len(pins[0].pages) == 2 and pins[0].expires_at == pytest.approx(100.0 + 0.1 * 20 + 600, abs=1.0)
+    assert pool.lookup(system) == 8
+    # The pinned system prompt survives a flood that evicts everything else.
+    for i in range(60):
+        now[0] = 200.0 + i
+        run(pool, f"flood{i}", [5000 + i] * 16)
+    assert pool.lookup(system) == 8
+    now[0] = 2000.0  # past the to-C window: the soft pin lapsed
+    pool.admit("late", [1] * 4)
+    assert pool.stats().pins == 0
+
+
+def test_auto_pin_by_qps_respects_the_quota():
+    now = [0.0]
+    spec = {"pageSize": PS, "eviction": {"policy": "lru"},
+            "pinning": {"quotaPercent": 5, "autoPin": {"minPromptTokens": 10_000, "minPrefixQPS": 1}}}
+    pool = PagePool(40, KVCachePolicySpec.model_validate(spec), clock=lambda: now[0])  # quota: 2 pages
+    prompt = list(range(12))  # 3 shared pages: more than the quota
+    for i in range(30):
+        now[0] = 0.05 * i
+        run(pool, f"s{i}", prompt + [300 + i] * 4)
+    assert pool.stats().pins == 0 and pool.autopins == 0 and pool.autopins_refused > 0
+
+
 def test_to_b_churn_never_evicts_to_c_pages():
     pool = make_pool(20, workloads={"toB": {"isolationPercent": 30}})  # 6 to-B pages, 14 to-C
     run(pool, "chat", list(range(16)))  # 4 to-C pages
