@@ -19,20 +19,25 @@ import math
 import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from kvpool_sidecar.config import Routing
-from kvpool_sidecar.pool import DEFAULT_META, InvalidRequest, WorkloadMeta, prompt_keys, salted, tenant_salt
-from kvpool_sidecar.routing.load import DecayedCounter
+from kvpool_sidecar.pool import (
+    DEFAULT_META,
+    PREFIX_RATE_WINDOW,
+    InvalidRequest,
+    WorkloadMeta,
+    prompt_keys,
+    salted,
+    tenant_salt,
+)
 from kvpool_sidecar.routing.ring import HashRing, key_position
+from kvpool_sidecar.workload import DecayedCounter
 
-RoutingMode = Literal["random", "round-robin", "least-loaded", "prefix-hash", "bounded-hash", "bounded-hash+replicas"]
 ROUTING_MODES: tuple[str, ...] = (
     "random", "round-robin", "least-loaded", "prefix-hash", "bounded-hash", "bounded-hash+replicas",
 )
-Reason = Literal["owner", "replica", "overflow", "unkeyed", "random", "round-robin", "least-loaded"]
 REASONS: tuple[str, ...] = ("owner", "replica", "overflow", "unkeyed", "random", "round-robin", "least-loaded")
-HOT_WINDOW_SECONDS = 10.0  # a prefix's QPS is its requests over about this long
+HOT_WINDOW_SECONDS = PREFIX_RATE_WINDOW  # a prefix's QPS: its requests over about 10 s, as for auto-pin
 _MAX_TRACKED_KEYS = 65_536  # per-key rate counters kept before the cold ones are pruned
 
 
