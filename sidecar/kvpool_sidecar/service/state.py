@@ -194,16 +194,16 @@ class Sidecar:
             raise transfer.TransferError("not_cached", "no leading page of this prompt is cached here", "tokens")
         ps = self.pool.page_size
         n = len(pages)
-        data = storage.gather_pages(pages, pin_host=True)
+        raw = transfer.kv_bytes(storage.gather_pages(pages, pin_host=True))  # serialised once: digest and body
         header = transfer.TransferHeader(
             page_size=ps, shape=transfer.WireShape(**asdict(storage.shape)), pages=n,
             keys=[transfer.key_text(k) for k in keys[:n]],
             tokens=tokens[: n * ps] if tokens is not None else None,
             block_hashes=list(block_hashes[:n]) if block_hashes is not None else None,
-            num_tokens=n * ps, meta=transfer.WireMeta(**asdict(meta)), sha256=transfer.page_digest(data),
+            num_tokens=n * ps, meta=transfer.WireMeta(**asdict(meta)), sha256=hashlib.sha256(raw).hexdigest(),
         )
         self.metrics.transfer_pages.labels("export").inc(n)
-        return transfer.encode(header, data), n
+        return transfer.encode(header, raw), n
 
     def verify_import(self, payload: bytes) -> tuple[transfer.TransferHeader, Any]:
         """Check a payload against this pool without touching it (no lock needed: it reads only the

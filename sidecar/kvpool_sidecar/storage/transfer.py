@@ -91,13 +91,15 @@ class TransferHeader(_Strict):
         return self
 
 
-def encode(header: TransferHeader, data: torch.Tensor) -> bytes:
+def kv_bytes(data: torch.Tensor) -> bytes:
+    """The raw bytes of gathered pages (what the header's sha256 covers)."""
+    return data.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def encode(header: TransferHeader, data: torch.Tensor | bytes) -> bytes:
     head = header.model_dump_json(exclude_none=True).encode()
-    return MAGIC + HEADER_LENGTH.pack(len(head)) + head + data.contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
-
-def page_digest(data: torch.Tensor) -> str:
-    return hashlib.sha256(data.contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+    raw = data if isinstance(data, bytes) else kv_bytes(data)
+    return MAGIC + HEADER_LENGTH.pack(len(head)) + head + raw
 
 
 def decode(payload: bytes) -> tuple[TransferHeader, memoryview]:
