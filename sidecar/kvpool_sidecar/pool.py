@@ -26,7 +26,7 @@ import itertools
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool_sidecar.config import KVCachePolicySpec
@@ -435,6 +435,15 @@ class PagePool:
             return evictable[part]
         return evictable[part] + min(headroom, len(self._free) + evictable[1 - part])
 
+    def _obtainable_at_least(self, part: int, excluded: int) -> int:
+        """A lower bound of :meth:`_obtainable` without looking at the excluded pages (each makes at
+        most one page of one partition unevictable): enough for the admission check of a big pool."""
+        headroom = self._caps[part] - self._owned[part]
+        own = len(self._policies[part]) - excluded
+        if headroom <= 0:
+            return own
+        return max(own, 0) + min(headroom, len(self._free) + max(len(self._policies[1 - part]) - excluded, 0))
+
     def _allocate(self, part: int, count: int, now: float) -> list[int]:
         """Hand out ``count`` pages to ``part``; the caller checked :meth:`_obtainable` first.
 
@@ -462,17 +471,23 @@ class PagePool:
                 pages.append(free.pop())
                 owned[part] += 1
             rest = count - len(pages)
-        if rest:
-            pages += self._evict_for(part, rest, now)
         for page in pages:
             part_of[page] = part
             ref[page] = 1
+        if rest:
+            pages += self._evict_for(part, rest, now)  # its pages are already ``part``'s, refcount 1
         self._in_use += count
         return pages
 
     def _evict_for(self, part: int, count: int, now: float) -> list[int]:
-        """Evict ``count`` victims of ``part``'s policy and return them as fresh pages (ownership kept)."""
-        victim = self._policies[part].victim
+        """Evict ``count`` victims of ``part``'s policy and hand them back to ``part`` in use (refcount 1).
+
+        The loop is the hot path of a full pool: a victim is nearly always a leaf (its descendants
+        were released after it, so they went first) and an only child.
+        """
+        policy = self._policies[part]
+        bulk = getattr(policy, "victims", None)
+        ref = self._ref
         first_child = self._first_child
         parent_of = self._parent
         key = self._key
@@ -481,45 +496,79 @@ class PagePool:
         last = self._last
         ghost = self._ghost if self._ghost_cap else None
         klass_of = self._klass
-        window = self._windows[_PARTITIONS[part]]
+        threshold = now - self._windows[_PARTITIONS[part]]
         pages: list[int] = []
-        expired = evicted = 0
-        free = self._free
-        owned = self._owned
-        cap = self._caps[part]
-        cascaded = False
-        while len(pages) < count:
-            if cascaded and free and owned[part] < cap:
-                # A cascade (below) freed descendants of a victim: use them before evicting more.
-                pages.append(free.pop())
-                owned[part] += 1
-                continue
-            page = victim(now)
-            if now - last[page] > window:
-                expired += 1
+        expired = 0
+        evicted = count
+        if bulk is not None:
+            batch: Iterable[int] = bulk(now, count)
+        else:
+            victim = policy.victim
+            batch = (victim(now) for _ in range(count))  # one at a time: a cascade ends it early
+        for page in batch:
             if first_child[page] != NO_PAGE:
-                self._evict_descendants(page)
-                cascaded = True
+                evicted = len(pages)
+                if bulk is not None and evicted + 1 < count:
+                    policy.restore(batch[evicted + 1 :])  # type: ignore[index]  # a list from ``victims``
+                pages += self._evict_with_descendants(part, page, count - evicted, now)
+                break
+            if last[page] < threshold:
+                expired += 1
             k = key[page]
             del index[k]
+            key[page] = None
             if ghost is not None:
                 ghost[k] = (klass_of[page], last[page])
-            key[page] = None
             parent = parent_of[page]
             if parent != NO_PAGE:
                 if first_child[parent] == page and next_sib[page] == NO_PAGE:
-                    first_child[parent] = NO_PAGE  # the usual case: an only child
+                    first_child[parent] = NO_PAGE  # an only child
                     parent_of[page] = NO_PAGE
                 else:
                     self._unlink(page)
+            ref[page] = 1
             pages.append(page)
-            evicted += 1
         self.evictions += evicted
         self._count_evictions(part, "expired", expired)
         self._count_evictions(part, "capacity", evicted - expired)
         if ghost is not None:
             while len(ghost) > self._ghost_cap:
                 ghost.popitem(last=False)
+        return pages
+
+    def _evict_with_descendants(self, part: int, page: int, count: int, now: float) -> list[int]:
+        """The rest of :meth:`_evict_for` from a victim ``page`` that has cached descendants: they go
+        too (I4), and the pages they free are used before the policy is asked for more victims.
+
+        Counts what it evicts; its caller counts none of it.
+        """
+        policy = self._policies[part]
+        window = self._windows[_PARTITIONS[part]]
+        free = self._free
+        owned = self._owned
+        cap = self._caps[part]
+        pages: list[int] = []
+        expired = victims = 0
+        while True:
+            if self._first_child[page] != NO_PAGE:
+                self._evict_descendants(page)
+            if now - self._last[page] > window:
+                expired += 1
+            self._drop(page)  # freed, then taken back below with the pages its descendants freed
+            owned[part] += 1
+            pages.append(free.pop())
+            victims += 1
+            while len(pages) < count and free and owned[part] < cap:
+                pages.append(free.pop())
+                owned[part] += 1
+            if len(pages) >= count:
+                break
+            page = policy.victim(now)
+        for page in pages:  # a cascade may free pages of the other partition
+            self._part[page] = part
+            self._ref[page] = 1
+        self._count_evictions(part, "expired", expired)
+        self._count_evictions(part, "capacity", victims - expired)
         return pages
 
     def _count_evictions(self, part: int, reason: str, pages: int) -> None:
@@ -600,7 +649,7 @@ class PagePool:
         hits = self._cached_prefix(keys)
         need = -(-n // ps) - len(hits)
         part = 1 if meta.workload_class == TO_B and self._caps[1] > 0 else 0  # partition_of, inlined
-        if need > 0:
+        if need > 0 and need > self._obtainable_at_least(part, len(hits)):
             obtainable = self._obtainable(part, hits)
             if need > obtainable:
                 raise PoolExhausted(need, obtainable, _PARTITIONS[part])
@@ -621,12 +670,12 @@ class PagePool:
             if user and user_of[page] and user_of[page] != user:
                 cross_user += 1
             if ref[page] == 0:
-                self._in_use += 1
                 # A reuse is evidence about the class that released the page, not the one reusing it.
                 klass = klass_of[page]
                 if klass != reuse_class:
                     if reused:
                         self.model.observe_reuse(reuse_class, reused, gap_sum, now)
+                        self._in_use += reused
                     reuse_class, reused, gap_sum = klass, 0, 0.0
                 reused += 1
                 gap_sum += now - last[page]
@@ -636,6 +685,7 @@ class PagePool:
             last[page] = now
         if reused:
             self.model.observe_reuse(reuse_class, reused, gap_sum, now)
+            self._in_use += reused
         ghost = self._ghost
         if ghost:
             late_class: Hashable = None
@@ -699,28 +749,28 @@ class PagePool:
         next_sib = self._next_sib
         prev_sib = self._prev_sib
         i = seq.published
+        parent = pages[i - 1] if i else NO_PAGE
         while i < upto:
             key = keys[i]
             page = pages[i]
             holder = index.get(key)
-            if holder is not None:
-                if holder != page:
-                    # Another sequence published the same prefix first: ours stays private (freed on
-                    # release), and so do the pages after it, whose parent would not be ours.
-                    seq.publish_blocked = True
-                    break
-            else:
+            if holder is None:
                 index[key] = page
                 key_of[page] = key
                 user_of[page] = user
-                if i:
-                    parent = pages[i - 1]
+                if parent != NO_PAGE:
                     parent_of[page] = parent
                     head = first_child[parent]
                     if head != NO_PAGE:
                         next_sib[page] = head
                         prev_sib[head] = page
                     first_child[parent] = page
+            elif holder != page:
+                # Another sequence published the same prefix first: ours stays private (freed on
+                # release), and so do the pages after it, whose parent would not be ours.
+                seq.publish_blocked = True
+                break
+            parent = page
             i += 1
         seq.published = i
         if self._autopin.enabled and seq.num_prompt_tokens >= self._autopin.minPromptTokens:
@@ -796,28 +846,27 @@ class PagePool:
         home = seq.partition
         batch: list[int] = []
         depths: list[int] = []
-        idle = 0
+        shared = 0
         # Tail first, so that in recency order a prompt's head outlives its tail.
         for depth in range(len(pages) - 1, -1, -1):
             page = pages[depth]
             r = ref[page] - 1
             ref[page] = r
             if r:
+                shared += 1
                 continue
-            idle += 1
             last[page] = now
-            if key[page] is not None:
-                klass_of[page] = klass
-                if not pins[page]:
-                    if part[page] == home:
-                        batch.append(page)
-                        depths.append(depth)
-                    else:  # a hit on another partition's page goes back to that partition
-                        policies[part[page]].insert([page], [depth], seq.published, now, klass)
-            else:
+            if key[page] is None:
                 self._owned[part[page]] -= 1
                 self._free.append(page)
-        self._in_use -= idle
+                continue
+            klass_of[page] = klass
+            if part[page] == home and not pins[page]:
+                batch.append(page)
+                depths.append(depth)
+            elif not pins[page]:  # a hit on another partition's page goes back to that partition
+                policies[part[page]].insert([page], [depth], seq.published, now, klass)
+        self._in_use -= len(pages) - shared
         if batch:
             policies[home].insert(batch, depths, seq.published, now, klass)
             self.model.observe_release(klass, len(batch), now)

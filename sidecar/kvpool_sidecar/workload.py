@@ -32,6 +32,7 @@ FIT_HALF_LIFE_SECONDS = 1800.0  # the fit forgets half its evidence in this time
 class ClassFit:
     """Decayed sufficient statistics of one class."""
 
+    klass: ClassKey
     prior_rate: float  # reuses per second
     releases: float = 0.0  # page releases (each could be followed by a reuse)
     reuses: float = 0.0  # page reuses observed
@@ -70,6 +71,7 @@ class ReuseModel:
 
     def __init__(self, spec: KVCachePolicySpec, *, half_life: float | None = None) -> None:
         self._fits: dict[ClassKey, ClassFit] = {}
+        self._pairs: dict[ClassKey, tuple[ClassFit, ClassFit]] = {}  # fits are never dropped
         # Counters decay with time (the caller's clock), all three together, so that their ratios
         # stay unbiased however the observations are batched.
         self._decay_per_second = math.log(2.0) / (half_life or FIT_HALF_LIFE_SECONDS)
@@ -98,10 +100,17 @@ class ReuseModel:
     def window_of(self, klass: ClassKey) -> float:
         return self.windows.get(workload_class_of(klass), self.windows["toC"])
 
+    def _fit_pair(self, klass: ClassKey) -> tuple[ClassFit, ClassFit]:
+        """The fits an observation of ``klass`` updates: its own and its workload class's."""
+        pair = self._pairs.get(klass)
+        if pair is None:
+            pair = self._pairs[klass] = (self._fit(klass), self._fit(_parent(klass)))
+        return pair
+
     def _fit(self, klass: ClassKey) -> ClassFit:
         fit = self._fits.get(klass)
         if fit is None:
-            fit = self._fits[klass] = ClassFit(self._prior_for(klass))
+            fit = self._fits[klass] = ClassFit(klass, self._prior_for(klass))
         return fit
 
     # ---------------------------------------------------------------------------- observations
@@ -115,9 +124,9 @@ class ReuseModel:
             fit.updated_at = now
 
     def observe_release(self, klass: ClassKey, pages: int, now: float) -> None:
-        for key in (klass, _parent(klass)):
-            fit = self._fit(key)
-            self._age(fit, now)
+        for fit in self._pairs.get(klass) or self._fit_pair(klass):
+            if now > fit.updated_at:
+                self._age(fit, now)
             fit.releases += pages
 
     def observe_reuse(self, klass: ClassKey, pages: int, gap_sum: float, now: float) -> None:
@@ -126,11 +135,12 @@ class ReuseModel:
             return
         if self.on_reuse is not None:
             self.on_reuse(klass, pages, gap_sum)
-        for key in (klass, _parent(klass)):
-            fit = self._fit(key)
-            self._age(fit, now)
+        gap = gap_sum if gap_sum > 0.0 else 0.0
+        for fit in self._pairs.get(klass) or self._fit_pair(klass):
+            if now > fit.updated_at:
+                self._age(fit, now)
             fit.reuses += pages
-            fit.gap_sum += max(gap_sum, 0.0)
+            fit.gap_sum += gap
             fit.total_reuses += pages
             fit.since_check += pages
             if fit.first_reuse_at is None:
@@ -139,7 +149,7 @@ class ReuseModel:
                 fit.total_reuses >= self.min_samples or now - fit.first_reuse_at >= self.cold_start_seconds
             ):
                 fit.since_check = 0
-                self._check_drift(key, fit, now)
+                self._check_drift(fit, now)
 
     # --------------------------------------------------------------------------------- the fit
     def _weight(self, fit: ClassFit) -> float:
@@ -186,7 +196,7 @@ class ReuseModel:
         }
 
     # ------------------------------------------------------------------------------- drift
-    def _check_drift(self, klass: ClassKey, fit: ClassFit, now: float) -> None:
+    def _check_drift(self, fit: ClassFit, now: float) -> None:
         # Drift is about the workload, so it compares the data's own estimate, not the shrunk one
         # (which moves on its own as evidence outweighs the prior).
         if fit.gap_sum <= 0:
@@ -197,7 +207,7 @@ class ReuseModel:
             return
         ref = fit.reference_rate
         if abs(rate - ref) > self.drift_threshold * ref:
-            event = DriftEvent(klass, ref * 60.0, rate * 60.0, now, self.refit_on_drift)
+            event = DriftEvent(fit.klass, ref * 60.0, rate * 60.0, now, self.refit_on_drift)
             if self.refit_on_drift:
                 fit.reference_rate = rate
             self.drift_events.append(event)

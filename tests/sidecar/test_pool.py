@@ -101,24 +101,51 @@ def test_block_hash_input_is_isolated_per_tenant_and_partial_block_not_cached():
         pool.lookup(block_hashes=[10, 11], num_tokens=9)
 
 
-def test_eviction_takes_descendants_with_their_parent():
-    class RootFirst(LRUPolicy):
-        """Evicts the most recently inserted page: release inserts tails first, so that is a root."""
+class RootFirst(LRUPolicy):
+    """Evicts the most recently inserted page: release inserts tails first, so that is a root."""
 
-        def victim(self, now: float) -> int:
-            return self._order.popitem(last=True)[0]
+    victims = None  # type: ignore[assignment]  # named one at a time
 
-    pool = PagePool(
-        6,
-        KVCachePolicySpec.model_validate({"pageSize": PS, "workloads": {"toB": {"isolationPercent": 0}}}),
-        policy_factory=RootFirst,
-        clock=lambda: 0.0,
-    )
+    def victim(self, now: float) -> int:
+        return self._order.popitem(last=True)[0]
+
+
+class RootsFirstInBulk(LRUPolicy):
+    """The same order, named in bulk: the pool must hand back the victims after a cascade."""
+
+    def victims(self, now: float, count: int) -> list[int]:
+        return [self._order.popitem(last=True)[0] for _ in range(count)]
+
+    def restore(self, pages: list[int]) -> None:
+        self._order.update(dict.fromkeys(reversed(pages)))
+
+
+def one_partition_pool(pages: int, policy: type[LRUPolicy]) -> PagePool:
+    spec = KVCachePolicySpec.model_validate({"pageSize": PS, "workloads": {"toB": {"isolationPercent": 0}}})
+    return PagePool(pages, spec, policy_factory=policy, clock=lambda: 0.0)
+
+
+@pytest.mark.parametrize("policy", [RootFirst, RootsFirstInBulk])
+def test_eviction_takes_descendants_with_their_parent(policy: type[LRUPolicy]) -> None:
+    pool = one_partition_pool(6, policy)
     run(pool, "a", list(range(12)))  # a 3-page chain
     assert pool.stats().cached_pages == 3
     pool.admit("b", [7] * 16)  # needs 4 pages: 3 free, so one eviction, which must take the whole chain
     pool.check_invariants()
     assert pool.lookup(list(range(12))) == 0
+    assert pool.stats().evictions == 3
+
+
+@pytest.mark.parametrize("policy", [RootFirst, RootsFirstInBulk])
+def test_a_cascade_ends_the_evictions_and_victims_named_in_bulk_go_back(policy: type[LRUPolicy]) -> None:
+    pool = one_partition_pool(8, policy)
+    run(pool, "a", list(range(100, 104)))  # one page
+    run(pool, "b", list(range(12)))  # a 3-page chain, released last: its root is the first victim
+    assert pool.stats().free_pages == 4
+    pool.admit("c", [7] * 24)  # 6 pages: 4 free, then the chain's root, which takes the chain along
+    pool.check_invariants()
+    assert pool.lookup(list(range(12))) == 0
+    assert pool.lookup(list(range(100, 104))) == 4, "the other page was named but not needed"
     assert pool.stats().evictions == 3
 
 

@@ -2,6 +2,11 @@
 
 The pool owns page state. A policy orders the *evictable* pages of one partition (cached, refcount 0,
 not pinned) and names a victim. Calls on the request path are O(1) or amortised O(1).
+
+A policy whose order needs no decision per victim may also offer ``victims(now, count)``, the next
+``count`` victims at once (``count <= len(policy)``, in the order :meth:`EvictionPolicy.victim` would
+give them), with ``restore(pages)`` to put back, in front and in order, those the pool did not take
+(a victim with cached descendants frees them too, so the pool stops there). LRU does.
 """
 
 from __future__ import annotations

@@ -28,6 +28,18 @@ class LRUPolicy:
     def victim(self, now: float) -> int:
         return self._order.popitem(last=False)[0]
 
+    def victims(self, now: float, count: int) -> list[int]:
+        """The ``count`` least recently used pages, forgotten (one Python call for a whole admission)."""
+        popitem = self._order.popitem
+        return [popitem(False)[0] for _ in range(count)]
+
+    def restore(self, pages: list[int]) -> None:
+        """Victims the pool did not take go back to the front, least recent first."""
+        order = self._order
+        order.update(dict.fromkeys(pages))
+        for page in reversed(pages):
+            order.move_to_end(page, last=False)
+
     def peek(self, now: float) -> int:
         return next(iter(self._order))
 
