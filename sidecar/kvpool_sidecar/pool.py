@@ -748,9 +748,9 @@ class PagePool:
         first_child = self._first_child
         next_sib = self._next_sib
         prev_sib = self._prev_sib
-        i = seq.published
-        parent = pages[i - 1] if i else NO_PAGE
-        while i < upto:
+        published = upto
+        parent = pages[seq.published - 1] if seq.published else NO_PAGE
+        for i in range(seq.published, upto):
             key = keys[i]
             page = pages[i]
             holder = index.get(key)
@@ -769,10 +769,10 @@ class PagePool:
                 # Another sequence published the same prefix first: ours stays private (freed on
                 # release), and so do the pages after it, whose parent would not be ours.
                 seq.publish_blocked = True
+                published = i
                 break
             parent = page
-            i += 1
-        seq.published = i
+        seq.published = published
         if self._autopin.enabled and seq.num_prompt_tokens >= self._autopin.minPromptTokens:
             self._auto_pin(seq, self.clock() if now is None else now)
         return seq.published
