@@ -26,7 +26,7 @@ import itertools
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvpool_sidecar.config import KVCachePolicySpec
@@ -256,6 +256,14 @@ def prompt_keys(
     except TypeError:
         raise InvalidRequest("block_hashes must be integers or strings", "block_hashes") from None
     return keys, n
+
+
+def _one_at_a_time(victim: Callable[[float], int], now: float, count: int, named: list[int]) -> Iterator[int]:
+    """Victims of a policy that decides each one in turn, recorded in ``named`` as they are taken."""
+    for _ in range(count):
+        page = victim(now)
+        named.append(page)
+        yield page
 
 
 # -------------------------------------------------------------------------------------------- pool
@@ -497,20 +505,24 @@ class PagePool:
         ghost = self._ghost if self._ghost_cap else None
         klass_of = self._klass
         threshold = now - self._windows[_PARTITIONS[part]]
-        pages: list[int] = []
         expired = 0
         evicted = count
+        pages: list[int]
+        batch: Iterable[int]
         if bulk is not None:
-            batch: Iterable[int] = bulk(now, count)
+            pages = batch = bulk(now, count)
         else:
-            victim = policy.victim
-            batch = (victim(now) for _ in range(count))  # one at a time: a cascade ends it early
+            pages = []
+            batch = _one_at_a_time(policy.victim, now, count, pages)  # a cascade ends it early
         for page in batch:
             if first_child[page] != NO_PAGE:
-                evicted = len(pages)
-                if bulk is not None and evicted + 1 < count:
-                    policy.restore(batch[evicted + 1 :])  # type: ignore[index]  # a list from ``victims``
-                pages += self._evict_with_descendants(part, page, count - evicted, now)
+                if bulk is not None:
+                    evicted = pages.index(page)
+                    if evicted + 1 < count:
+                        policy.restore(pages[evicted + 1 :])
+                else:
+                    evicted = len(pages) - 1
+                pages = pages[:evicted] + self._evict_with_descendants(part, page, count - evicted, now)
                 break
             if last[page] < threshold:
                 expired += 1
@@ -522,12 +534,11 @@ class PagePool:
             parent = parent_of[page]
             if parent != NO_PAGE:
                 if first_child[parent] == page and next_sib[page] == NO_PAGE:
-                    first_child[parent] = NO_PAGE  # an only child
-                    parent_of[page] = NO_PAGE
+                    first_child[parent] = NO_PAGE  # an only child; its own stale parent link is
+                    # never read: a page gets a parent (or NO_PAGE) when it is published again
                 else:
                     self._unlink(page)
             ref[page] = 1
-            pages.append(page)
         self.evictions += evicted
         self._count_evictions(part, "expired", expired)
         self._count_evictions(part, "capacity", evicted - expired)
@@ -758,8 +769,8 @@ class PagePool:
                 index[key] = page
                 key_of[page] = key
                 user_of[page] = user
+                parent_of[page] = parent
                 if parent != NO_PAGE:
-                    parent_of[page] = parent
                     head = first_child[parent]
                     if head != NO_PAGE:
                         next_sib[page] = head
