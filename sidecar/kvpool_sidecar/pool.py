@@ -30,10 +30,9 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies import EvictionPolicy, PolicyContext, PolicyFactory, make_policy
+from kvpool_sidecar.policies import NO_PAGE, EvictionPolicy, PolicyContext, PolicyFactory, make_policy
 from kvpool_sidecar.workload import DecayedCounter, ReuseModel
 
-NO_PAGE = -1
 TO_C = "toC"
 TO_B = "toB"
 DEFAULT_TENANT = "default"
@@ -488,7 +487,14 @@ class PagePool:
         return pages
 
     def _evict_for(self, part: int, count: int, now: float) -> list[int]:
-        """Evict ``count`` victims of ``part``'s policy and hand them back to ``part`` in use (refcount 1).
+        """Evict ``count`` victims of ``part``'s policy and hand them back to ``part`` in use (refcount 1)."""
+        pages = self._evict_batch(part, count, now)
+        while len(pages) < count:  # the policy stopped at a page whose descendants went in the batch
+            pages += self._evict_batch(part, count - len(pages), now)
+        return pages
+
+    def _evict_batch(self, part: int, count: int, now: float) -> list[int]:
+        """Evict up to ``count`` victims of ``part``'s policy (fewer when a bulk policy stops early).
 
         The loop is the hot path of a full pool: a victim is nearly always a leaf (its descendants
         were released after it, so they went first) and an only child.
@@ -506,11 +512,10 @@ class PagePool:
         klass_of = self._klass
         threshold = now - self._windows[_PARTITIONS[part]]
         expired = 0
-        evicted = count
         pages: list[int]
         batch: Iterable[int]
         if bulk is not None:
-            pages = batch = bulk(now, count)
+            pages = batch = bulk(now, count, first_child)
         else:
             pages = []
             batch = _one_at_a_time(policy.victim, now, count, pages)  # a cascade ends it early
@@ -518,7 +523,7 @@ class PagePool:
             if first_child[page] != NO_PAGE:
                 if bulk is not None:
                     evicted = pages.index(page)
-                    if evicted + 1 < count:
+                    if evicted + 1 < len(pages):
                         policy.restore(pages[evicted + 1 :])
                 else:
                     evicted = len(pages) - 1
@@ -539,6 +544,8 @@ class PagePool:
                 else:
                     self._unlink(page)
             ref[page] = 1
+        else:
+            evicted = len(pages)
         self.evictions += evicted
         self._count_evictions(part, "expired", expired)
         self._count_evictions(part, "capacity", evicted - expired)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 from kvpool_sidecar.config import KVCachePolicySpec
@@ -63,6 +64,58 @@ def drain(policy, now: float = 100.0) -> list[int]:
     while len(policy):
         order.append(policy.victim(now))
     return order
+
+
+def filled(name: str, seed: int) -> tuple[Any, float]:
+    """A policy holding 300 pages of three classes released over a few minutes, some reused."""
+    rng = random.Random(seed)
+    policy = make_policy(name, ctx())
+    now = 0.0
+    held: list[int] = []
+    for start in range(0, 300, 10):
+        now += rng.random() * 10
+        pages = list(range(start + 9, start - 1, -1))
+        policy.insert(pages, list(range(9, -1, -1)), 10, now, rng.choice([CHAT, API, ("toC", "file", 1)]))
+        if rng.random() < 0.3:
+            page = rng.choice(pages)
+            policy.take(page, now, True)
+            held.append(page)
+    for page in held:
+        policy.insert([page], [0], 10, now, CHAT)
+    return policy, now + 1.0
+
+
+@pytest.mark.parametrize("name", [name for name in sorted(POLICIES) if hasattr(POLICIES[name], "victims")])
+@pytest.mark.parametrize("seed", range(4))
+def test_victims_named_in_bulk_are_the_victims_named_one_by_one(name: str, seed: int) -> None:
+    no_links = [-1] * 300
+    one_by_one, now = filled(name, seed)
+    bulk, _ = filled(name, seed)
+    for count in (1, 37, 100, 62):
+        expected = [one_by_one.victim(now) for _ in range(count)]
+        assert bulk.victims(now, count, no_links) == expected
+        now += 3.0
+    assert len(bulk) == len(one_by_one) == 100
+
+
+@pytest.mark.parametrize("name", [name for name in sorted(POLICIES) if hasattr(POLICIES[name], "victims")])
+def test_victims_put_back_come_out_again_in_the_same_order(name: str) -> None:
+    policy, now = filled(name, 1)
+    named = policy.victims(now, 50, [-1] * 300)
+    policy.restore(named[20:])
+    assert len(policy) == 300 - 20
+    assert all(page in policy for page in named[20:])
+    assert policy.victims(now, 30, [-1] * 300) == named[20:]
+
+
+def test_workload_aware_stops_naming_after_a_page_with_a_child_it_did_not_name() -> None:
+    policy, now = filled("workload_aware", 2)
+    order = [policy.victim(now) for _ in range(40)]
+    policy, now = filled("workload_aware", 2)
+    links = [-1] * 300
+    links[order[10]] = order[5]  # its child was named before it: no reason to stop
+    links[order[20]] = next(p for p in range(300) if p not in order[:21])  # a child still cached
+    assert policy.victims(now, 40, links) == order[:21]
 
 
 def test_lru_reinserts_at_the_tail_and_fifo_does_not():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies import LRUPolicy
@@ -113,7 +115,7 @@ class RootFirst(LRUPolicy):
 class RootsFirstInBulk(LRUPolicy):
     """The same order, named in bulk: the pool must hand back the victims after a cascade."""
 
-    def victims(self, now: float, count: int) -> list[int]:
+    def victims(self, now: float, count: int, links: Sequence[int]) -> list[int]:
         return [self._order.popitem(last=True)[0] for _ in range(count)]
 
     def restore(self, pages: list[int]) -> None:

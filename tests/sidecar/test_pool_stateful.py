@@ -30,6 +30,7 @@ SHARED_FIRST = first_page_digest(BASES[2], PS)
 
 class PoolMachine(RuleBasedStateMachine):
     pages = 60
+    policy = "lru"
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,7 +38,7 @@ class PoolMachine(RuleBasedStateMachine):
         spec = KVCachePolicySpec.model_validate(
             {
                 "pageSize": PS,
-                "eviction": {"policy": "lru"},
+                "eviction": {"policy": self.policy},
                 "workloads": {"toB": {"isolationPercent": 30}},
                 "pinning": {"quotaPercent": 20, "autoPin": {"enabled": False}},
                 "tenancy": {"sharedPrefixes": [SHARED_FIRST]},
@@ -183,6 +184,12 @@ class RoomyPool(PoolMachine):
     pages = 2000
 
 
+class TightWorkloadAwarePool(PoolMachine):
+    """The workload-aware policy names victims in bulk and may stop or be restored mid-batch."""
+
+    policy = "workload_aware"
+
+
 TestTightPool = PoolMachine.TestCase
 TestTightPool.settings = settings(
     max_examples=40, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
@@ -190,4 +197,8 @@ TestTightPool.settings = settings(
 TestRoomyPool = RoomyPool.TestCase
 TestRoomyPool.settings = settings(
     max_examples=20, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
+)
+TestTightWorkloadAwarePool = TightWorkloadAwarePool.TestCase
+TestTightWorkloadAwarePool.settings = settings(
+    max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool_sidecar.policies.base import EvictionPolicy, PolicyContext, PolicyError
+from kvpool_sidecar.policies.base import NO_PAGE, EvictionPolicy, PolicyContext, PolicyError
 from kvpool_sidecar.policies.fifo import FIFOPolicy, S3FIFOPolicy
 from kvpool_sidecar.policies.lfu import LFUPolicy
 from kvpool_sidecar.policies.lru import LRUPolicy
@@ -31,6 +31,7 @@ def make_policy(name: str, ctx: PolicyContext) -> EvictionPolicy:
 
 
 __all__ = [
+    "NO_PAGE",
     "POLICIES",
     "EvictionPolicy",
     "FIFOPolicy",

@@ -3,10 +3,11 @@
 The pool owns page state. A policy orders the *evictable* pages of one partition (cached, refcount 0,
 not pinned) and names a victim. Calls on the request path are O(1) or amortised O(1).
 
-A policy whose order needs no decision per victim may also offer ``victims(now, count)``, the next
-``count`` victims at once (``count <= len(policy)``, in the order :meth:`EvictionPolicy.victim` would
-give them), with ``restore(pages)`` to put back, in front and in order, those the pool did not take
-(a victim with cached descendants frees them too, so the pool stops there). LRU does.
+A policy may also name victims in bulk, ``victims(now, count, links) -> list[int]``: the next
+``count`` victims (``count <= len(policy)``) in the order :meth:`EvictionPolicy.victim` would give
+them. A victim ``page`` with ``links[page] != NO_PAGE`` has cached descendants, which the pool evicts
+with it and uses before asking for more: the policy may stop right after such a page; any victims
+it names after one go back in front, in order, through ``restore(pages)``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Protocol
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.workload import ReuseModel
+
+NO_PAGE = -1  # "no page": a free page's parent, a leaf's first child
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies.base import PolicyContext
@@ -28,8 +28,9 @@ class LRUPolicy:
     def victim(self, now: float) -> int:
         return self._order.popitem(last=False)[0]
 
-    def victims(self, now: float, count: int) -> list[int]:
-        """The ``count`` least recently used pages, forgotten (one Python call for a whole admission)."""
+    def victims(self, now: float, count: int, links: Sequence[int]) -> list[int]:
+        """The ``count`` least recently used pages, forgotten (one Python call for a whole admission);
+        a page with descendants is rare enough under LRU that the pool restores what follows it."""
         popitem = self._order.popitem
         return [popitem(False)[0] for _ in range(count)]
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 import math
 from bisect import insort
 from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies.base import PolicyContext
+from kvpool_sidecar.policies.base import NO_PAGE, PolicyContext
 from kvpool_sidecar.workload import ReuseModel, p_reuse
 
 BUCKETS_PER_WINDOW = 8
@@ -118,6 +118,16 @@ class _ClassQueue:
         bucket[entry[_LEVEL]].append(entry)
         self.live[bid] += 1
 
+    def push_front(self, entry: list) -> None:
+        """Undo :meth:`advance` for ``entry`` (its bucket comes back if it went)."""
+        bid = entry[_BID]
+        if bid not in self.buckets:
+            self.buckets[bid] = [deque() for _ in range(LOCALITY_LEVELS + 1)]
+            self.live[bid] = 0
+            insort(self.order, bid)
+        self.buckets[bid][entry[_LEVEL]].appendleft(entry)
+        self.live[bid] += 1
+
     def discard(self, bid: int) -> None:
         self.live[bid] -= 1
         if self.live[bid] == 0:
@@ -158,6 +168,25 @@ class _ClassQueue:
                 return entry
         raise LookupError("empty bucket")
 
+    def advance(self) -> list | None:
+        """Remove what :meth:`front` returned and return the next front, None when the queue is empty."""
+        order = self.order
+        bid = order[0]
+        for fifo in self.buckets[bid]:
+            if fifo:
+                fifo.popleft()
+                break
+        live = self.live[bid] - 1
+        if live:
+            self.live[bid] = live
+        else:
+            del self.buckets[bid]
+            del self.live[bid]
+            order.pop(0)
+            if not order:
+                return None
+        return self.front()
+
 
 # Entry fields: [score at release, tiebreak, page (-1 when deleted), bucket id, class, released at, level]
 _PAGE, _BID, _KLASS, _RELEASED, _LEVEL = 2, 3, 4, 5, 6
@@ -177,6 +206,7 @@ class WorkloadAwarePolicy(_Scoring):
         self._base: dict[tuple, tuple[bool, float]] = {}  # (class, released) -> (fresh, score w/o locality)
         self._params: dict[Hashable, tuple[float, float, float]] = {}  # class -> (p, rate, window) at _cands_now
         self._dirty: set[Hashable] = set()  # classes whose candidate may have changed
+        self._named: dict[int, tuple[list, bool]] = {}  # the last victims() call's, for restore()
         self._hist = [0.0] * _HIST_BINS
         self._threshold = math.inf
         self._since_threshold = 0
@@ -318,6 +348,54 @@ class WorkloadAwarePolicy(_Scoring):
             self._dirty.add(klass)
         del self._entry[page]
         return page
+
+    def victims(self, now: float, count: int, links: Sequence[int]) -> list[int]:
+        """:meth:`victim` ``count`` times in one call; stops after a page whose first child it has not
+        named (so a chain's pages, named tail first, come in one call)."""
+        self._best(now)  # candidates up to date for ``now``
+        cands = self._cands
+        queues = self._queues
+        entries = self._entry
+        protected = self._protected
+        beta_level = self._beta_level
+        named: dict[int, tuple[list, bool]] = {}  # page -> (its entry, whether it was protected)
+        for _ in range(count):
+            if cands:
+                entry = min(cands.values())[-1]
+                klass = entry[_KLASS]
+                after = queues[klass].advance()
+                if after is None:
+                    del cands[klass]
+                else:  # _candidate, inlined
+                    released = after[_RELEASED]
+                    fresh, score = self._base_rank(klass, released, now)
+                    cands[klass] = (fresh, score + beta_level * after[_LEVEL], released, after[1], after)
+                page = entry[_PAGE]
+                named[page] = (entry, False)
+            else:
+                page, entry = protected.popitem(last=False)
+                named[page] = (entry, True)
+            del entries[page]
+            child = links[page]
+            if child != NO_PAGE and child not in named:
+                break
+        self._named = named
+        return list(named)
+
+    def restore(self, pages: list[int]) -> None:
+        """Put back victims of the last :meth:`victims` call, in front and in order.
+
+        Exact but for one thing: a sparse oldest bucket merged while they were named stays merged.
+        """
+        for page in reversed(pages):
+            entry, was_protected = self._named.pop(page)
+            self._entry[page] = entry
+            if was_protected:
+                self._protected[page] = entry
+                self._protected.move_to_end(page, last=False)
+            else:
+                self._queue(entry[_KLASS]).push_front(entry)
+                self._dirty.add(entry[_KLASS])
 
     def _expire_protection(self, now: float) -> None:
         """Protection lasts while a page's current score stays in the top share (and inside its class's
