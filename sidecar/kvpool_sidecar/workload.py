@@ -182,6 +182,21 @@ class ReuseModel:
         p = (fit.reuses + k * prior) / (fit.releases + k)
         return min(max(p, _MIN_P), _MAX_P)
 
+    def params(self, klass: ClassKey) -> tuple[float, float, float]:
+        """(:meth:`reuse_probability`, :meth:`rate`, :meth:`window_of`) of a class in one pass."""
+        parent = _parent(klass)
+        if parent == klass:
+            prior_p, prior_rate = PRIOR_REUSE_PROBABILITY, self._prior_for(klass)
+        else:
+            prior_p, prior_rate, _ = self.params(parent)
+        window = self.window_of(klass)
+        fit = self._fits.get(klass)
+        if fit is None:
+            return prior_p, prior_rate, window
+        k = self._weight(fit)
+        p = (fit.reuses + k * prior_p) / (fit.releases + k)
+        return min(max(p, _MIN_P), _MAX_P), (fit.reuses + k) / (fit.gap_sum + k / prior_rate), window
+
     def p_reuse(self, klass: ClassKey, age: float, window: float | None = None) -> float:
         """P(reused within the next ``window`` | not reused for ``age`` seconds)."""
         lam = self.rate(klass)

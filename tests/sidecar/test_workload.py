@@ -55,6 +55,14 @@ def test_rare_class_borrows_its_workload_class_fit():
     assert abs(model.reuse_probability(rare) - 0.2) < 0.05
 
 
+def test_params_are_reuse_probability_rate_and_window_in_one_pass():
+    model = ReuseModel(KVCachePolicySpec())
+    feed(model, CHAT, rate_per_s=1 / 60, p=0.2, pages=500, start=0.0, rng=random.Random(3))
+    model.observe_release(("toC", "file", 1), 3, 500.0)
+    for klass in (CHAT, ("toC",), ("toC", "file", 1), API, ("toB", "api", 2)):
+        assert model.params(klass) == (model.reuse_probability(klass), model.rate(klass), model.window_of(klass))
+
+
 def test_drift_is_reported_and_adopted_when_refit_is_on():
     spec = KVCachePolicySpec.model_validate({"learning": {"minSamples": 100, "driftThresholdPercent": 20}})
     model = ReuseModel(spec, half_life=300.0)

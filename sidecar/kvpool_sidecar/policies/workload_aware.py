@@ -95,45 +95,57 @@ class _ClassQueue:
     Pages of one class released in one bucket's span share their reuse probability (same class,
     nearly the same age), so their score order is their locality order: the lowest non-empty level's
     oldest page is the bucket's best victim. No heap: every operation is O(1) (amortised over the
-    lazily deleted entries skipped at a level's front).
+    lazily deleted entries skipped at a level's front); ``low`` keeps the scan for the lowest
+    non-empty level from starting at level 0 each time.
     """
 
-    __slots__ = ("buckets", "live", "order")
+    __slots__ = ("buckets", "live", "low", "order")
 
     def __init__(self) -> None:
         self.buckets: dict[int, list[deque[list]]] = {}
         self.live: dict[int, int] = {}
+        self.low: dict[int, int] = {}  # bucket id -> no entry sits below this level
         self.order: list[int] = []  # bucket ids, ascending
 
-    def push(self, entry: list) -> None:
-        bid = entry[_BID]
+    def _bucket(self, bid: int) -> list[deque[list]]:
         bucket = self.buckets.get(bid)
         if bucket is None:
             bucket = self.buckets[bid] = [deque() for _ in range(LOCALITY_LEVELS + 1)]
             self.live[bid] = 0
+            self.low[bid] = LOCALITY_LEVELS
             if self.order and bid < self.order[-1]:
                 insort(self.order, bid)
             else:
                 self.order.append(bid)
-        bucket[entry[_LEVEL]].append(entry)
+        return bucket
+
+    def push(self, entry: list) -> None:
+        bid = entry[_BID]
+        level = entry[_LEVEL]
+        (self.buckets.get(bid) or self._bucket(bid))[level].append(entry)
         self.live[bid] += 1
+        if level < self.low[bid]:
+            self.low[bid] = level
 
     def push_front(self, entry: list) -> None:
         """Undo :meth:`advance` for ``entry`` (its bucket comes back if it went)."""
         bid = entry[_BID]
-        if bid not in self.buckets:
-            self.buckets[bid] = [deque() for _ in range(LOCALITY_LEVELS + 1)]
-            self.live[bid] = 0
-            insort(self.order, bid)
-        self.buckets[bid][entry[_LEVEL]].appendleft(entry)
+        level = entry[_LEVEL]
+        self._bucket(bid)[level].appendleft(entry)
         self.live[bid] += 1
+        if level < self.low[bid]:
+            self.low[bid] = level
+
+    def _drop_bucket(self, bid: int) -> None:
+        del self.buckets[bid]
+        del self.live[bid]
+        del self.low[bid]
+        self.order.remove(bid)
 
     def discard(self, bid: int) -> None:
         self.live[bid] -= 1
         if self.live[bid] == 0:
-            del self.buckets[bid]
-            del self.live[bid]
-            self.order.remove(bid)
+            self._drop_bucket(bid)
 
     def _merge_front(self) -> None:
         """Fold the sparse oldest bucket into the next: its pages go first within each level."""
@@ -145,6 +157,7 @@ class _ClassQueue:
                 entry[_BID] = nxt
             newer[level].extendleft(reversed(alive))
         self.live[nxt] += self.live.pop(bid)
+        self.low[nxt] = min(self.low[nxt], self.low.pop(bid))
         self.order.pop(0)
 
     def front(self) -> list:
@@ -152,38 +165,41 @@ class _ClassQueue:
         order = self.order
         while len(order) > 1 and self.live[order[0]] < MERGE_BELOW:
             self._merge_front()
-        for fifo in self.buckets[order[0]]:
+        bid = order[0]
+        bucket = self.buckets[bid]
+        for level in range(self.low[bid], LOCALITY_LEVELS + 1):
+            fifo = bucket[level]
             while fifo and fifo[0][_PAGE] < 0:
                 fifo.popleft()  # lazily deleted entries
             if fifo:
+                self.low[bid] = level
                 return fifo[0]
         raise LookupError("a bucket with live pages has none")  # unreachable: live counts are exact
 
     def pop_front(self) -> list:
         """Remove and return what :meth:`front` returned (the caller called it since the last change)."""
-        for fifo in self.buckets[self.order[0]]:
-            if fifo:
-                entry = fifo.popleft()
-                self.discard(entry[_BID])
-                return entry
-        raise LookupError("empty bucket")
+        entry = self.front()
+        self.buckets[entry[_BID]][entry[_LEVEL]].popleft()
+        self.discard(entry[_BID])
+        return entry
 
-    def advance(self) -> list | None:
-        """Remove what :meth:`front` returned and return the next front, None when the queue is empty."""
-        order = self.order
-        bid = order[0]
-        for fifo in self.buckets[bid]:
-            if fifo:
-                fifo.popleft()
-                break
+    def advance(self, entry: list) -> list | None:
+        """Remove ``entry``, which :meth:`front` returned, and return the next front (None: empty)."""
+        bid = entry[_BID]
+        fifo = self.buckets[bid][entry[_LEVEL]]
+        fifo.popleft()
         live = self.live[bid] - 1
-        if live:
+        if live >= MERGE_BELOW:  # no merge due: the next front is likely the next of the same level
+            self.live[bid] = live
+            while fifo and fifo[0][_PAGE] < 0:
+                fifo.popleft()
+            if fifo:
+                return fifo[0]
+        elif live:
             self.live[bid] = live
         else:
-            del self.buckets[bid]
-            del self.live[bid]
-            order.pop(0)
-            if not order:
+            self._drop_bucket(bid)
+            if not self.order:
                 return None
         return self.front()
 
@@ -299,9 +315,7 @@ class WorkloadAwarePolicy(_Scoring):
         if base is None:
             params = self._params.get(klass)
             if params is None:
-                model = self.model
-                params = (model.reuse_probability(klass), model.rate(klass), model.window_of(klass))
-                self._params[klass] = params
+                params = self._params[klass] = self.model.params(klass)
             p, lam, window = params
             age = now - released
             score = self.alpha * p_reuse(p, lam, age, window)
@@ -358,17 +372,18 @@ class WorkloadAwarePolicy(_Scoring):
         entries = self._entry
         protected = self._protected
         beta_level = self._beta_level
+        base_ranks = self._base
         named: dict[int, tuple[list, bool]] = {}  # page -> (its entry, whether it was protected)
         for _ in range(count):
             if cands:
                 entry = min(cands.values())[-1]
                 klass = entry[_KLASS]
-                after = queues[klass].advance()
+                after = queues[klass].advance(entry)
                 if after is None:
                     del cands[klass]
                 else:  # _candidate, inlined
                     released = after[_RELEASED]
-                    fresh, score = self._base_rank(klass, released, now)
+                    fresh, score = base_ranks.get((klass, released)) or self._base_rank(klass, released, now)
                     cands[klass] = (fresh, score + beta_level * after[_LEVEL], released, after[1], after)
                 page = entry[_PAGE]
                 named[page] = (entry, False)
@@ -405,15 +420,19 @@ class WorkloadAwarePolicy(_Scoring):
         a long idle spell does not pay for all of them at once (pre-eviction calls this too).
         """
         protected = self._protected
-        for _ in range(_DEMOTE_PER_CALL):
-            if not protected:
-                return
-            entry = next(iter(protected.values()))
-            fresh, score = self._base_rank(entry[_KLASS], entry[_RELEASED], now)
+        base_ranks = self._base
+        dirty = self._dirty
+        for _ in range(min(_DEMOTE_PER_CALL, len(protected))):
+            page, entry = protected.popitem(last=False)
+            klass = entry[_KLASS]
+            released = entry[_RELEASED]
+            fresh, score = base_ranks.get((klass, released)) or self._base_rank(klass, released, now)
             if fresh and score + self._beta_level * entry[_LEVEL] >= self._threshold:
+                protected[page] = entry  # still in the top share: back in front, and so is the rest
+                protected.move_to_end(page, last=False)
                 return
-            del protected[entry[_PAGE]]
-            self._push(entry)
+            (self._queues.get(klass) or self._queue(klass)).push(entry)
+            dirty.add(klass)
 
     def __len__(self) -> int:
         return len(self._entry)
