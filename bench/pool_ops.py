@@ -3,6 +3,12 @@
     .venv/bin/python bench/pool_ops.py [--trace ../shared/traces/mooncake_conversation.jsonl]
 
 A page op is one page probed, allocated, cached or freed (the counting used for vLLM's block pool).
+Timings on a shared machine swing by 30 %; to compare two versions, count instructions instead:
+
+    PYTHONHASHSEED=0 valgrind --tool=cachegrind --cache-sim=no --cachegrind-out-file=/dev/null \
+        .venv/bin/python bench/pool_ops.py --capacity 0.05 --repeat 1 --memory-pages 0
+
+minus the same with ``--repeat 0`` (loading the trace) is the replay's count, exact to 1e-7.
 """
 
 from __future__ import annotations
@@ -78,8 +84,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--capacity", type=float, action="append", default=None)
-    parser.add_argument("--memory-pages", type=int, default=1_000_000)
-    parser.add_argument("--repeat", type=int, default=5, help="runs per capacity; the median is reported")
+    parser.add_argument("--memory-pages", type=int, default=1_000_000, help="0: skip the memory figure")
+    parser.add_argument(
+        "--repeat", type=int, default=5, help="runs per capacity; the median is reported (0: load the trace only)"
+    )
     args = parser.parse_args()
     requests = []
     distinct: set[int] = set()
@@ -90,6 +98,8 @@ def main() -> None:
             distinct.update(row["hash_ids"])
     print(f"trace {args.trace.name}: {len(requests)} requests, {len(distinct)} distinct blocks")
     for frac in args.capacity or [0.05, 0.20]:
+        if args.repeat < 1:
+            break
         pages = int(len(distinct) * frac)
         runs = [replay_ops(requests, pages) for _ in range(args.repeat)]
         ops, _, ratio = runs[0]
@@ -100,6 +110,8 @@ def main() -> None:
             f"{ops / median / 1e6:.2f} M page ops/s (best {ops / times[0] / 1e6:.2f} M), "
             f"token hit ratio {ratio:.4f}"
         )
+    if args.memory_pages < 1:
+        return
     per_page = bytes_per_cached_page(args.memory_pages)
     print(f"memory: {per_page:.0f} bytes per cached page ({args.memory_pages} cached pages, tracemalloc)")
 
