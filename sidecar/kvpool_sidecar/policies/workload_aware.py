@@ -307,7 +307,9 @@ class WorkloadAwarePolicy(_Scoring):
         entry = queue.front()
         released = entry[_RELEASED]
         fresh, score = self._base_rank(entry[_KLASS], released, now)
-        return (fresh, score + self._beta_level * entry[_LEVEL], released, entry[1], entry)
+        # (rank..., tiebreak, entry, score without locality): the tiebreak is unique, so tuples
+        # compare on the rank alone; the last item lets the next page released with it skip the lookup
+        return (fresh, score + self._beta_level * entry[_LEVEL], released, entry[1], entry, score)
 
     def _base_rank(self, klass: Hashable, released: float, now: float) -> tuple[bool, float]:
         """(fresh, score without locality); pages released together share it, computed once per ``now``."""
@@ -347,7 +349,7 @@ class WorkloadAwarePolicy(_Scoring):
                     cands.pop(klass, None)
             dirty.clear()
         if cands:
-            return min(cands.values())[-1]  # one candidate per class: the top of its oldest bucket
+            return min(cands.values())[4]  # one candidate per class: the top of its oldest bucket
         return next(iter(self._protected.values()))
 
     def peek(self, now: float) -> int:
@@ -376,15 +378,19 @@ class WorkloadAwarePolicy(_Scoring):
         named: dict[int, tuple[list, bool]] = {}  # page -> (its entry, whether it was protected)
         for _ in range(count):
             if cands:
-                entry = min(cands.values())[-1]
+                best = min(cands.values())
+                entry = best[4]
                 klass = entry[_KLASS]
                 after = queues[klass].advance(entry)
                 if after is None:
                     del cands[klass]
                 else:  # _candidate, inlined
                     released = after[_RELEASED]
-                    fresh, score = base_ranks.get((klass, released)) or self._base_rank(klass, released, now)
-                    cands[klass] = (fresh, score + beta_level * after[_LEVEL], released, after[1], after)
+                    if released == best[2]:
+                        fresh, score = best[0], best[5]
+                    else:
+                        fresh, score = base_ranks.get((klass, released)) or self._base_rank(klass, released, now)
+                    cands[klass] = (fresh, score + beta_level * after[_LEVEL], released, after[1], after, score)
                 page = entry[_PAGE]
                 named[page] = (entry, False)
             else:
