@@ -515,7 +515,7 @@ class PagePool:
         pages: list[int]
         batch: Iterable[int]
         if bulk is not None:
-            pages = batch = bulk(now, count, first_child)
+            pages = batch = bulk(now, count, (first_child, next_sib))
         else:
             pages = []
             batch = _one_at_a_time(policy.victim, now, count, pages)  # a cascade ends it early

@@ -88,7 +88,7 @@ def filled(name: str, seed: int) -> tuple[Any, float]:
 @pytest.mark.parametrize("name", [name for name in sorted(POLICIES) if hasattr(POLICIES[name], "victims")])
 @pytest.mark.parametrize("seed", range(4))
 def test_victims_named_in_bulk_are_the_victims_named_one_by_one(name: str, seed: int) -> None:
-    no_links = [-1] * 300
+    no_links = ([-1] * 300, [-1] * 300)
     one_by_one, now = filled(name, seed)
     bulk, _ = filled(name, seed)
     for count in (1, 37, 100, 62):
@@ -101,21 +101,23 @@ def test_victims_named_in_bulk_are_the_victims_named_one_by_one(name: str, seed:
 @pytest.mark.parametrize("name", [name for name in sorted(POLICIES) if hasattr(POLICIES[name], "victims")])
 def test_victims_put_back_come_out_again_in_the_same_order(name: str) -> None:
     policy, now = filled(name, 1)
-    named = policy.victims(now, 50, [-1] * 300)
+    named = policy.victims(now, 50, ([-1] * 300, [-1] * 300))
     policy.restore(named[20:])
     assert len(policy) == 300 - 20
     assert all(page in policy for page in named[20:])
-    assert policy.victims(now, 30, [-1] * 300) == named[20:]
+    assert policy.victims(now, 30, ([-1] * 300, [-1] * 300)) == named[20:]
 
 
 def test_workload_aware_stops_naming_after_a_page_with_a_child_it_did_not_name() -> None:
     policy, now = filled("workload_aware", 2)
     order = [policy.victim(now) for _ in range(40)]
     policy, now = filled("workload_aware", 2)
-    links = [-1] * 300
-    links[order[10]] = order[5]  # its child was named before it: no reason to stop
-    links[order[20]] = next(p for p in range(300) if p not in order[:21])  # a child still cached
-    assert policy.victims(now, 40, links) == order[:21]
+    first_child, next_sib = [-1] * 300, [-1] * 300
+    first_child[order[10]] = order[5]  # its children were named before it: no reason to stop
+    next_sib[order[5]] = order[3]
+    first_child[order[20]] = order[7]  # a child named before it, and one still cached
+    next_sib[order[7]] = next(p for p in range(300) if p not in order[:21])
+    assert policy.victims(now, 40, (first_child, next_sib)) == order[:21]
 
 
 def test_lru_reinserts_at_the_tail_and_fifo_does_not():

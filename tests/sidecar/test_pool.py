@@ -115,7 +115,7 @@ class RootFirst(LRUPolicy):
 class RootsFirstInBulk(LRUPolicy):
     """The same order, named in bulk: the pool must hand back the victims after a cascade."""
 
-    def victims(self, now: float, count: int, links: Sequence[int]) -> list[int]:
+    def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
         return [self._order.popitem(last=True)[0] for _ in range(count)]
 
     def restore(self, pages: list[int]) -> None:

@@ -185,7 +185,7 @@ class RoomyPool(PoolMachine):
 
 
 class TightWorkloadAwarePool(PoolMachine):
-    """The workload-aware policy names victims in bulk and may stop or be restored mid-batch."""
+    """The workload-aware policy names victims in bulk and stops at a page with descendants."""
 
     policy = "workload_aware"
 

@@ -3,11 +3,13 @@
 The pool owns page state. A policy orders the *evictable* pages of one partition (cached, refcount 0,
 not pinned) and names a victim. Calls on the request path are O(1) or amortised O(1).
 
-A policy may also name victims in bulk, ``victims(now, count, links) -> list[int]``: the next
-``count`` victims (``count <= len(policy)``) in the order :meth:`EvictionPolicy.victim` would give
-them. A victim ``page`` with ``links[page] != NO_PAGE`` has cached descendants, which the pool evicts
-with it and uses before asking for more: the policy may stop right after such a page; any victims
-it names after one go back in front, in order, through ``restore(pages)``.
+A policy may also name victims in bulk, ``victims(now, count, (first_child, next_sibling)) ->
+list[int]``: the next ``count`` victims (``count <= len(policy)``) in the order
+:meth:`EvictionPolicy.victim` would give them. The two sequences are the pool's prefix tree, read-only
+(``NO_PAGE`` ends a list): a victim with a child that is not an earlier victim of the same call has
+descendants, which the pool evicts with it and uses before asking for more. The policy may stop right
+after such a page (workload-aware does); any victims it names after one go back in front, in order,
+through ``restore(pages)`` (what LRU relies on: under LRU a victim's descendants went before it).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class LRUPolicy:
     def victim(self, now: float) -> int:
         return self._order.popitem(last=False)[0]
 
-    def victims(self, now: float, count: int, links: Sequence[int]) -> list[int]:
+    def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
         """The ``count`` least recently used pages, forgotten (one Python call for a whole admission);
         a page with descendants is rare enough under LRU that the pool restores what follows it."""
         popitem = self._order.popitem

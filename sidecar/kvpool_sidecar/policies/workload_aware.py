@@ -365,9 +365,11 @@ class WorkloadAwarePolicy(_Scoring):
         del self._entry[page]
         return page
 
-    def victims(self, now: float, count: int, links: Sequence[int]) -> list[int]:
-        """:meth:`victim` ``count`` times in one call; stops after a page whose first child it has not
-        named (so a chain's pages, named tail first, come in one call)."""
+    def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
+        """:meth:`victim` ``count`` times in one call; stops after a page with a child it has not
+        named (a chain's pages, named tail first, come in one call), where the pool evicts that
+        page's descendants and uses them before asking again: the pool needs no :meth:`restore`."""
+        first_child, next_sib = links
         self._best(now)  # candidates up to date for ``now``
         cands = self._cands
         queues = self._queues
@@ -397,8 +399,10 @@ class WorkloadAwarePolicy(_Scoring):
                 page, entry = protected.popitem(last=False)
                 named[page] = (entry, True)
             del entries[page]
-            child = links[page]
-            if child != NO_PAGE and child not in named:
+            child = first_child[page]
+            while child != NO_PAGE and child in named:
+                child = next_sib[child]
+            if child != NO_PAGE:
                 break
         self._named = named
         return list(named)
