@@ -864,14 +864,14 @@ class PagePool:
         home = seq.partition
         batch: list[int] = []
         depths: list[int] = []
-        shared = 0
+        held = 0  # pages another sequence still holds
         # Tail first, so that in recency order a prompt's head outlives its tail.
         for depth in range(len(pages) - 1, -1, -1):
             page = pages[depth]
             r = ref[page] - 1
             ref[page] = r
             if r:
-                shared += 1
+                held += 1
                 continue
             last[page] = now
             if key[page] is None:
@@ -884,7 +884,7 @@ class PagePool:
                 depths.append(depth)
             elif not pins[page]:  # a hit on another partition's page goes back to that partition
                 policies[part[page]].insert([page], [depth], seq.published, now, klass)
-        self._in_use -= len(pages) - shared
+        self._in_use -= len(pages) - held
         if batch:
             policies[home].insert(batch, depths, seq.published, now, klass)
             self.model.observe_release(klass, len(batch), now)
