@@ -8,11 +8,14 @@ evictions happen they can only be lower.
 from __future__ import annotations
 
 import itertools
+import random
+from collections.abc import Sequence
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvpool_sidecar.config import KVCachePolicySpec
+from kvpool_sidecar.policies import NO_PAGE, LRUPolicy, PolicyContext, PolicyFactory
 from kvpool_sidecar.pool import (
     TO_B,
     TO_C,
@@ -28,9 +31,47 @@ BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 20, 21, 22, 23], [30, 31,
 SHARED_FIRST = first_page_digest(BASES[2], PS)
 
 
+class ShuffledInBulk(LRUPolicy):
+    """Names victims in a random order, in bulk, stopping after a page with a child it has not named:
+    parents come before their children all the time, so the pool's cascades run on every path."""
+
+    def __init__(self, ctx: PolicyContext | None = None) -> None:
+        super().__init__(ctx)
+        self._rng = random.Random(0)
+
+    def victim(self, now: float) -> int:
+        page = self._rng.choice(list(self._order))
+        del self._order[page]
+        return page
+
+    def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
+        first_child, next_sib = links
+        named: dict[int, None] = {}
+        for _ in range(count):
+            page = self.victim(now)
+            named[page] = None
+            child = first_child[page]
+            while child != NO_PAGE and child in named:
+                child = next_sib[child]
+            if child != NO_PAGE:
+                break
+        return list(named)
+
+
+class ShuffledInBulkRestored(ShuffledInBulk):
+    """The same order, never stopping: the pool puts back the victims named after a cascade."""
+
+    def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
+        return [self.victim(now) for _ in range(count)]
+
+    def restore(self, pages: list[int]) -> None:
+        self._order.update(dict.fromkeys(pages))
+
+
 class PoolMachine(RuleBasedStateMachine):
     pages = 60
     policy = "lru"
+    policy_factory: PolicyFactory | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +85,7 @@ class PoolMachine(RuleBasedStateMachine):
                 "tenancy": {"sharedPrefixes": [SHARED_FIRST]},
             }
         )
-        self.pool = PagePool(self.pages, spec, clock=lambda: self.now)
+        self.pool = PagePool(self.pages, spec, policy_factory=self.policy_factory, clock=lambda: self.now)
         self.ids = itertools.count()
         # model: content scope -> published prefix (tuple) -> page identity
         self.published: dict[tuple, object] = {}
@@ -98,14 +139,37 @@ class PoolMachine(RuleBasedStateMachine):
         self.seqs[seq_id] = {"tokens": tokens, "prefixes": prefixes, "idents": idents, "done": 0,
                              "computed": adm.num_cached_tokens, "blocked": False, "len": len(tokens)}
 
+    @rule(
+        base=st.sampled_from(BASES),
+        cut=st.integers(0, 10),
+        suffix=st.lists(st.integers(0, 3), max_size=5),
+        tenant=st.sampled_from(["acme", "globex"]),
+        klass=st.sampled_from([TO_C, TO_B]),
+    )
+    @precondition(lambda self: len(self.seqs) < 8)
+    def serve(self, base: list[int], cut: int, suffix: list[int], tenant: str, klass: str) -> None:
+        """A whole request (admit, compute the prompt, release): what fills a pool with cached pages."""
+        before = set(self.seqs)
+        self.admit(base, cut, suffix, tenant, klass)
+        for seq_id in set(self.seqs) - before:
+            self.commit_to(seq_id, self.seqs[seq_id]["len"])
+            self.pool.release(seq_id)
+            del self.seqs[seq_id]
+
     @rule(data=st.data())
     @precondition(lambda self: bool(self.seqs))
     def commit(self, data: st.DataObject) -> None:
         seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
         s = self.seqs[seq_id]
-        upto = data.draw(st.integers(s["computed"], s["len"]))
+        self.commit_to(seq_id, data.draw(st.integers(s["computed"], s["len"])))
+
+    def commit_to(self, seq_id: str, upto: int) -> None:
+        s = self.seqs[seq_id]
         self.pool.commit(seq_id, upto)
         s["computed"] = upto
+        # An upper bound of what can ever be cached: a prefix the model sees blocked by another
+        # sequence's page is published after all when that page was evicted first.
+        self.ever.update(s["prefixes"][: upto // PS])
         for i in range(s["done"], min(upto // PS, len(s["prefixes"]))):
             if s["blocked"]:
                 break
@@ -156,7 +220,9 @@ class PoolMachine(RuleBasedStateMachine):
         try:
             pin = self.pool.pin(base[:cut], meta=WorkloadMeta(tenant=tenant), ttl=ttl)
         except QuotaExceeded:
-            assert self.pool.stats().pinned_pages > 0
+            stats = self.pool.stats()
+            cached = self.pool.lookup(base[:cut], meta=WorkloadMeta(tenant=tenant)) // PS
+            assert stats.pinned_pages + cached > stats.pin_quota_pages
             return
         except Exception as exc:  # nothing cached is a clean InvalidRequest
             assert "nothing" in str(exc)
@@ -187,7 +253,18 @@ class RoomyPool(PoolMachine):
 class TightWorkloadAwarePool(PoolMachine):
     """The workload-aware policy names victims in bulk and stops at a page with descendants."""
 
+    pages = 20  # full most of the time: the three base prompts alone publish more than that
     policy = "workload_aware"
+
+
+class TightShuffledPool(PoolMachine):
+    pages = 20
+    policy_factory = ShuffledInBulk
+
+
+class TightShuffledRestoredPool(PoolMachine):
+    pages = 20
+    policy_factory = ShuffledInBulkRestored
 
 
 TestTightPool = PoolMachine.TestCase
@@ -202,3 +279,9 @@ TestTightWorkloadAwarePool = TightWorkloadAwarePool.TestCase
 TestTightWorkloadAwarePool.settings = settings(
     max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
 )
+for machine in (TightShuffledPool, TightShuffledRestoredPool):
+    machine.TestCase.settings = settings(
+        max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
+    )
+TestTightShuffledPool = TightShuffledPool.TestCase
+TestTightShuffledRestoredPool = TightShuffledRestoredPool.TestCase
