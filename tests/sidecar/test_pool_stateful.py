@@ -31,6 +31,15 @@ BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [1, 2, 3, 4, 20, 21, 22, 23], [30, 31,
 SHARED_FIRST = first_page_digest(BASES[2], PS)
 
 
+REQUEST = {  # a prompt: a prefix of a base prompt, a suffix, a tenant, a workload class
+    "base": st.sampled_from(BASES),
+    "cut": st.integers(0, 10),
+    "suffix": st.lists(st.integers(0, 3), max_size=5),
+    "tenant": st.sampled_from(["acme", "globex"]),
+    "klass": st.sampled_from([TO_C, TO_B]),
+}
+
+
 class ShuffledInBulk(LRUPolicy):
     """Names victims in a random order, in bulk, stopping after a page with a child it has not named:
     parents come before their children all the time, so the pool's cascades run on every path."""
@@ -104,13 +113,7 @@ class PoolMachine(RuleBasedStateMachine):
         scope = self.scope(tokens, tenant)
         return [(scope, tuple(tokens[: PS * (i + 1)])) for i in range(len(tokens) // PS)]
 
-    @rule(
-        base=st.sampled_from(BASES),
-        cut=st.integers(0, 10),
-        suffix=st.lists(st.integers(0, 3), max_size=5),
-        tenant=st.sampled_from(["acme", "globex"]),
-        klass=st.sampled_from([TO_C, TO_B]),
-    )
+    @rule(**REQUEST)
     @precondition(lambda self: len(self.seqs) < 8)
     def admit(self, base: list[int], cut: int, suffix: list[int], tenant: str, klass: str) -> None:
         tokens = base[:cut] + suffix or [0]
@@ -139,13 +142,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.seqs[seq_id] = {"tokens": tokens, "prefixes": prefixes, "idents": idents, "done": 0,
                              "computed": adm.num_cached_tokens, "blocked": False, "len": len(tokens)}
 
-    @rule(
-        base=st.sampled_from(BASES),
-        cut=st.integers(0, 10),
-        suffix=st.lists(st.integers(0, 3), max_size=5),
-        tenant=st.sampled_from(["acme", "globex"]),
-        klass=st.sampled_from([TO_C, TO_B]),
-    )
+    @rule(**REQUEST)
     @precondition(lambda self: len(self.seqs) < 8)
     def serve(self, base: list[int], cut: int, suffix: list[int], tenant: str, klass: str) -> None:
         """A whole request (admit, compute the prompt, release): what fills a pool with cached pages."""
