@@ -489,8 +489,11 @@ class PagePool:
     def _evict_for(self, part: int, count: int, now: float) -> list[int]:
         """Evict ``count`` victims of ``part``'s policy and hand them back to ``part`` in use (refcount 1)."""
         pages = self._evict_batch(part, count, now)
-        while len(pages) < count:  # the policy stopped at a page whose descendants went in the batch
-            pages += self._evict_batch(part, count - len(pages), now)
+        while len(pages) < count:  # a bulk policy may stop early
+            more = self._evict_batch(part, count - len(pages), now)
+            if not more:  # a broken policy must not hang the request path
+                raise RuntimeError(f"eviction policy {self._policies[part].name!r} named no victim")
+            pages += more
         return pages
 
     def _evict_batch(self, part: int, count: int, now: float) -> list[int]:
