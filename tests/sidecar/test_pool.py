@@ -151,6 +151,17 @@ def test_a_cascade_ends_the_evictions_and_victims_named_in_bulk_go_back(policy: 
     assert pool.stats().evictions == 3
 
 
+def test_a_bulk_policy_that_names_no_victim_is_an_error_not_a_hang() -> None:
+    class Mute(LRUPolicy):
+        def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
+            return []
+
+    pool = one_partition_pool(4, Mute)
+    run(pool, "a", list(range(16)))  # the pool is full of cached pages
+    with pytest.raises(RuntimeError, match="named no victim"):
+        pool.admit("b", [7] * 4)
+
+
 def test_pages_in_use_are_never_evicted_and_exhaustion_changes_nothing():
     pool = make_pool(10, workloads={"toB": {"isolationPercent": 0}})
     pool.admit("a", list(range(24)))  # 6 pages in use
