@@ -91,6 +91,7 @@ class ReuseModel:
         self.cold_start_seconds = parse_duration(spec.learning.coldStartPeriod)
         self.drift_threshold = spec.learning.driftThresholdPercent / 100.0
         self.refit_on_drift = spec.learning.refitOnDrift
+        self._shape: dict[ClassKey, tuple[ClassKey | None, float, float]] = {}
         for klass, fit in self._fits.items():
             fit.prior_rate = self._prior_for(klass)
 
@@ -184,12 +185,17 @@ class ReuseModel:
 
     def params(self, klass: ClassKey) -> tuple[float, float, float]:
         """(:meth:`reuse_probability`, :meth:`rate`, :meth:`window_of`) of a class in one pass."""
-        parent = _parent(klass)
-        if parent == klass:
-            prior_p, prior_rate = PRIOR_REUSE_PROBABILITY, self._prior_for(klass)
+        shape = self._shape.get(klass)
+        if shape is None:  # what depends on the configuration only, kept until the next configure()
+            parent = _parent(klass)
+            shape = self._shape[klass] = (
+                None if parent == klass else parent, self._prior_for(klass), self.window_of(klass)
+            )
+        parent, prior_rate, window = shape
+        if parent is None:
+            prior_p = PRIOR_REUSE_PROBABILITY
         else:
             prior_p, prior_rate, _ = self.params(parent)
-        window = self.window_of(klass)
         fit = self._fits.get(klass)
         if fit is None:
             return prior_p, prior_rate, window

@@ -59,8 +59,13 @@ def test_params_are_reuse_probability_rate_and_window_in_one_pass():
     model = ReuseModel(KVCachePolicySpec())
     feed(model, CHAT, rate_per_s=1 / 60, p=0.2, pages=500, start=0.0, rng=random.Random(3))
     model.observe_release(("toC", "file", 1), 3, 500.0)
-    for klass in (CHAT, ("toC",), ("toC", "file", 1), API, ("toB", "api", 2)):
+    classes = (CHAT, ("toC",), ("toC", "file", 1), API, ("toB", "api", 2))
+    for klass in classes:
         assert model.params(klass) == (model.reuse_probability(klass), model.rate(klass), model.window_of(klass))
+    model.configure(KVCachePolicySpec.model_validate({"workloads": {"toC": {"timeWindow": "2m", "decayPerMinute": 1}}}))
+    for klass in classes:  # new priors and windows are seen at once
+        assert model.params(klass) == (model.reuse_probability(klass), model.rate(klass), model.window_of(klass))
+    assert model.params(CHAT)[2] == 120
 
 
 def test_drift_is_reported_and_adopted_when_refit_is_on():
