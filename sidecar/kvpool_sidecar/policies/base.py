@@ -7,9 +7,10 @@ A policy may also name victims in bulk, ``victims(now, count, (first_child, next
 list[int]``: the next ``count`` victims (``count <= len(policy)``) in the order
 :meth:`EvictionPolicy.victim` would give them. The two sequences are the pool's prefix tree, read-only
 (``NO_PAGE`` ends a list): a victim with a child that is not an earlier victim of the same call has
-descendants, which the pool evicts with it and uses before asking for more. The policy may stop right
-after such a page (workload-aware does); any victims it names after one go back in front, in order,
-through ``restore(pages)`` (what LRU relies on: under LRU a victim's descendants went before it).
+descendants, which the pool evicts with it and uses before asking for more. The policy either stops
+right after such a page (workload-aware does) or offers ``restore(pages)``, through which the pool
+puts back, in front and in order, the victims named after one (LRU does: under LRU a victim's
+descendants nearly always went before it, so it names without looking).
 """
 
 from __future__ import annotations

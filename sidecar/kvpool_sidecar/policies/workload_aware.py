@@ -127,15 +127,6 @@ class _ClassQueue:
         if level < self.low[bid]:
             self.low[bid] = level
 
-    def push_front(self, entry: list) -> None:
-        """Undo :meth:`advance` for ``entry`` (its bucket comes back if it went)."""
-        bid = entry[_BID]
-        level = entry[_LEVEL]
-        self._bucket(bid)[level].appendleft(entry)
-        self.live[bid] += 1
-        if level < self.low[bid]:
-            self.low[bid] = level
-
     def _drop_bucket(self, bid: int) -> None:
         del self.buckets[bid]
         del self.live[bid]
@@ -222,7 +213,6 @@ class WorkloadAwarePolicy(_Scoring):
         self._base: dict[tuple, tuple[bool, float]] = {}  # (class, released) -> (fresh, score w/o locality)
         self._params: dict[Hashable, tuple[float, float, float]] = {}  # class -> (p, rate, window) at _cands_now
         self._dirty: set[Hashable] = set()  # classes whose candidate may have changed
-        self._named: dict[int, tuple[list, bool]] = {}  # the last victims() call's, for restore()
         self._hist = [0.0] * _HIST_BINS
         self._threshold = math.inf
         self._since_threshold = 0
@@ -368,7 +358,7 @@ class WorkloadAwarePolicy(_Scoring):
     def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
         """:meth:`victim` ``count`` times in one call; stops after a page with a child it has not
         named (a chain's pages, named tail first, come in one call), where the pool evicts that
-        page's descendants and uses them before asking again: the pool needs no :meth:`restore`."""
+        page's descendants and uses them before asking again: nothing is ever put back."""
         first_child, next_sib = links
         self._best(now)  # candidates up to date for ``now``
         cands = self._cands
@@ -377,7 +367,7 @@ class WorkloadAwarePolicy(_Scoring):
         protected = self._protected
         beta_level = self._beta_level
         base_ranks = self._base
-        named: dict[int, tuple[list, bool]] = {}  # page -> (its entry, whether it was protected)
+        named: dict[int, None] = {}  # the pages named so far, in order
         for _ in range(count):
             if cands:
                 best = min(cands.values())
@@ -394,33 +384,16 @@ class WorkloadAwarePolicy(_Scoring):
                         fresh, score = base_ranks.get((klass, released)) or self._base_rank(klass, released, now)
                     cands[klass] = (fresh, score + beta_level * after[_LEVEL], released, after[1], after, score)
                 page = entry[_PAGE]
-                named[page] = (entry, False)
             else:
-                page, entry = protected.popitem(last=False)
-                named[page] = (entry, True)
+                page = protected.popitem(last=False)[0]
+            named[page] = None
             del entries[page]
             child = first_child[page]
             while child != NO_PAGE and child in named:
                 child = next_sib[child]
             if child != NO_PAGE:
                 break
-        self._named = named
         return list(named)
-
-    def restore(self, pages: list[int]) -> None:
-        """Put back victims of the last :meth:`victims` call, in front and in order.
-
-        Exact but for one thing: a sparse oldest bucket merged while they were named stays merged.
-        """
-        for page in reversed(pages):
-            entry, was_protected = self._named.pop(page)
-            self._entry[page] = entry
-            if was_protected:
-                self._protected[page] = entry
-                self._protected.move_to_end(page, last=False)
-            else:
-                self._queue(entry[_KLASS]).push_front(entry)
-                self._dirty.add(entry[_KLASS])
 
     def _expire_protection(self, now: float) -> None:
         """Protection lasts while a page's current score stays in the top share (and inside its class's
