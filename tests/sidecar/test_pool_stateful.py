@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies import NO_PAGE, LRUPolicy, PolicyContext, PolicyFactory
+from kvpool_sidecar.policies import LRUPolicy, PolicyContext, PolicyFactory, has_unnamed_child
 from kvpool_sidecar.pool import (
     TO_B,
     TO_C,
@@ -54,15 +54,11 @@ class ShuffledInBulk(LRUPolicy):
         return page
 
     def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
-        first_child, next_sib = links
         named: dict[int, None] = {}
         for _ in range(count):
             page = self.victim(now)
             named[page] = None
-            child = first_child[page]
-            while child != NO_PAGE and child in named:
-                child = next_sib[child]
-            if child != NO_PAGE:
+            if has_unnamed_child(page, links, named):
                 break
         return list(named)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool_sidecar.policies.base import NO_PAGE, EvictionPolicy, PolicyContext, PolicyError
+from kvpool_sidecar.policies.base import NO_PAGE, EvictionPolicy, PolicyContext, PolicyError, has_unnamed_child
 from kvpool_sidecar.policies.fifo import FIFOPolicy, S3FIFOPolicy
 from kvpool_sidecar.policies.lfu import LFUPolicy
 from kvpool_sidecar.policies.lru import LRUPolicy
@@ -43,5 +43,6 @@ __all__ = [
     "S3FIFOPolicy",
     "WorkloadAwareExactPolicy",
     "WorkloadAwarePolicy",
+    "has_unnamed_child",
     "make_policy",
 ]

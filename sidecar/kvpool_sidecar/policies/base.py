@@ -15,7 +15,7 @@ descendants nearly always went before it, so it names without looking).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +23,15 @@ from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.workload import ReuseModel
 
 NO_PAGE = -1  # "no page": a free page's parent, a leaf's first child
+
+
+def has_unnamed_child(page: int, links: tuple[Sequence[int], Sequence[int]], named: Container[int]) -> bool:
+    """Whether ``page`` has a cached child outside ``named``: the stop rule of a bulk ``victims`` call."""
+    first_child, next_sib = links
+    child = first_child[page]
+    while child != NO_PAGE and child in named:
+        child = next_sib[child]
+    return child != NO_PAGE
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies.base import NO_PAGE, PolicyContext
+from kvpool_sidecar.policies.base import NO_PAGE, PolicyContext, has_unnamed_child
 from kvpool_sidecar.workload import ReuseModel, p_reuse
 
 BUCKETS_PER_WINDOW = 8
@@ -359,7 +359,7 @@ class WorkloadAwarePolicy(_Scoring):
         """:meth:`victim` ``count`` times in one call; stops after a page with a child it has not
         named (a chain's pages, named tail first, come in one call), where the pool evicts that
         page's descendants and uses them before asking again: nothing is ever put back."""
-        first_child, next_sib = links
+        first_child = links[0]
         self._best(now)  # candidates up to date for ``now``
         cands = self._cands
         queues = self._queues
@@ -388,10 +388,7 @@ class WorkloadAwarePolicy(_Scoring):
                 page = protected.popitem(last=False)[0]
             named[page] = None
             del entries[page]
-            child = first_child[page]
-            while child != NO_PAGE and child in named:
-                child = next_sib[child]
-            if child != NO_PAGE:
+            if first_child[page] != NO_PAGE and has_unnamed_child(page, links, named):
                 break
         return list(named)
 
