@@ -102,10 +102,8 @@ class ReuseModel:
         return self.windows.get(workload_class_of(klass), self.windows["toC"])
 
     def _fit_pair(self, klass: ClassKey) -> tuple[ClassFit, ClassFit]:
-        """The fits an observation of ``klass`` updates: its own and its workload class's."""
-        pair = self._pairs.get(klass)
-        if pair is None:
-            pair = self._pairs[klass] = (self._fit(klass), self._fit(_parent(klass)))
+        """The fits an observation of ``klass`` updates, its own and its workload class's (first time)."""
+        pair = self._pairs[klass] = (self._fit(klass), self._fit(_parent(klass)))
         return pair
 
     def _fit(self, klass: ClassKey) -> ClassFit:

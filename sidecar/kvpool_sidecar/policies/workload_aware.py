@@ -167,12 +167,10 @@ class _ClassQueue:
                 return fifo[0]
         raise LookupError("a bucket with live pages has none")  # unreachable: live counts are exact
 
-    def pop_front(self) -> list:
-        """Remove and return what :meth:`front` returned (the caller called it since the last change)."""
-        entry = self.front()
+    def pop_front(self, entry: list) -> None:
+        """Remove ``entry``, which :meth:`front` returned (no change to the queue since)."""
         self.buckets[entry[_BID]][entry[_LEVEL]].popleft()
         self.discard(entry[_BID])
-        return entry
 
     def advance(self, entry: list) -> list | None:
         """Remove ``entry``, which :meth:`front` returned, and return the next front (None: empty)."""
@@ -350,7 +348,7 @@ class WorkloadAwarePolicy(_Scoring):
         page = entry[_PAGE]
         if self._protected.pop(page, None) is None:
             klass = entry[_KLASS]
-            self._queues[klass].pop_front()
+            self._queues[klass].pop_front(entry)
             self._dirty.add(klass)
         del self._entry[page]
         return page
