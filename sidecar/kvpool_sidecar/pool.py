@@ -30,7 +30,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies import NO_PAGE, EvictionPolicy, PolicyContext, PolicyFactory, make_policy
+from kvpool_sidecar.policies import NO_PAGE, EvictionPolicy, PageTree, PolicyContext, PolicyFactory, make_policy
 from kvpool_sidecar.workload import DecayedCounter, ReuseModel
 
 TO_C = "toC"
@@ -350,7 +350,8 @@ class PagePool:
         self.spec = spec
 
     def _new_policy(self, spec: KVCachePolicySpec, part: int) -> EvictionPolicy:
-        ctx = PolicyContext(spec, self.model, self._key.__getitem__, _PARTITIONS[part])
+        tree = PageTree(self._parent, self._first_child, self._next_sib)
+        ctx = PolicyContext(spec, self.model, self._key.__getitem__, _PARTITIONS[part], tree)
         if self._fixed_factory is not None:
             return self._fixed_factory(ctx)
         return make_policy(spec.eviction.policy, ctx)

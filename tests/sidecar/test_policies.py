@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies import POLICIES, PolicyContext, make_policy
+from kvpool_sidecar.policies import NO_PAGE, POLICIES, PageTree, PolicyContext, make_policy
 from kvpool_sidecar.policies.workload_aware import WorkloadAwareExactPolicy, WorkloadAwarePolicy
 from kvpool_sidecar.pool import PagePool, WorkloadMeta
 from kvpool_sidecar.workload import ReuseModel
@@ -108,16 +108,86 @@ def test_victims_put_back_come_out_again_in_the_same_order(name: str) -> None:
     assert policy.victims(now, 30, ([-1] * 300, [-1] * 300)) == named[20:]
 
 
-def test_workload_aware_stops_naming_after_a_page_with_a_child_it_did_not_name() -> None:
-    policy, now = filled("workload_aware", 2)
-    order = [policy.victim(now) for _ in range(40)]
-    policy, now = filled("workload_aware", 2)
-    first_child, next_sib = [-1] * 300, [-1] * 300
-    first_child[order[10]] = order[5]  # its children were named before it: no reason to stop
-    next_sib[order[5]] = order[3]
-    first_child[order[20]] = order[7]  # a child named before it, and one still cached
-    next_sib[order[7]] = next(p for p in range(300) if p not in order[:21])
-    assert policy.victims(now, 40, (first_child, next_sib)) == order[:21]
+class _Tree:
+    """A prefix forest over pages 0..299 that unlinks victims the way the pool does."""
+
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(seed)
+        n = 300
+        self.tree = PageTree([NO_PAGE] * n, [NO_PAGE] * n, [NO_PAGE] * n)
+        for page in range(n):
+            if page % 10 and rng.random() < 0.8:
+                self.link(page, page - 1)  # the chain of one prompt
+            elif page >= 10 and rng.random() < 0.5:
+                self.link(page, rng.randrange(page - page % 10))  # a prompt that continues an older one
+
+    def link(self, page: int, parent: int) -> None:
+        parent_of, first_child, next_sib = self.tree
+        parent_of[page] = parent
+        next_sib[page] = first_child[parent]
+        first_child[parent] = page
+
+    def children(self, page: int) -> list[int]:
+        out, child = [], self.tree.first_child[page]
+        while child != NO_PAGE:
+            out.append(child)
+            child = self.tree.next_sib[child]
+        return out
+
+    def unlink_if_leaf(self, page: int) -> bool:
+        if self.tree.first_child[page] != NO_PAGE:
+            return False
+        self.unlink(page)
+        return True
+
+    def unlink(self, page: int) -> None:
+        parent_of, first_child, next_sib = self.tree
+        parent = parent_of[page]
+        assert first_child[page] == NO_PAGE, f"page {page} was named before its child {first_child[page]}"
+        if parent != NO_PAGE:
+            siblings = [c for c in self.children(parent) if c != page]
+            first_child[parent] = siblings[0] if siblings else NO_PAGE
+            for a, b in zip(siblings, [*siblings[1:], NO_PAGE], strict=False):
+                next_sib[a] = b
+        parent_of[page] = NO_PAGE
+
+
+def filled_in_tree(seed: int, with_tree: bool = True) -> tuple[Any, _Tree, float]:
+    tree = _Tree(seed)
+    spec = KVCachePolicySpec()
+    context = PolicyContext(spec, ReuseModel(spec), lambda p: ("key", p), "toC", tree.tree if with_tree else None)
+    policy = make_policy("workload_aware", context)
+    rng = random.Random(seed)
+    now = 0.0
+    for start in range(0, 300, 10):
+        now += rng.random() * 10
+        # Classes drawn at random, so a parent often ranks below its children (another class, older).
+        policy.insert(list(range(start + 9, start - 1, -1)), list(range(9, -1, -1)), 10, now, rng.choice([CHAT, API]))
+    return policy, tree, now + 1.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_workload_aware_names_a_page_only_after_its_descendants(seed: int) -> None:
+    """A prefix is worth at least its continuations: a page with cached children is passed over until
+    they are gone, so the pool never has to evict a subtree with it (one at a time and in bulk alike)."""
+    one_by_one, tree_a, now = filled_in_tree(seed)
+    order = []
+    while len(one_by_one):
+        page = one_by_one.victim(now)
+        tree_a.unlink(page)  # fails if the page still had a child
+        order.append(page)
+    assert sorted(order) == list(range(300))
+    bulk, tree_b, now = filled_in_tree(seed)
+    named: list[int] = []
+    for count in (1, 37, 100, 62, 100):
+        batch = bulk.victims(now, count, tree_b.tree[1:])
+        assert len(batch) == count
+        for page in batch:  # in order, as the pool does
+            tree_b.unlink(page)
+        named += batch
+    assert named == order
+    plain, tree_c, _ = filled_in_tree(seed, with_tree=False)  # the rank alone would cut subtrees
+    assert any(tree_c.children(page) for page in drain(plain)[:150] if not tree_c.unlink_if_leaf(page))
 
 
 def test_lru_reinserts_at_the_tail_and_fifo_does_not():

@@ -244,7 +244,7 @@ class RoomyPool(PoolMachine):
 
 
 class TightWorkloadAwarePool(PoolMachine):
-    """The workload-aware policy names victims in bulk and stops at a page with descendants."""
+    """The workload-aware policy names victims in bulk and passes over pages with cached descendants."""
 
     pages = 20  # full most of the time: the three base prompts alone publish more than that
     policy = "workload_aware"

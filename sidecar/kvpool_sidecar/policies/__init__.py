@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvpool_sidecar.policies.base import NO_PAGE, EvictionPolicy, PolicyContext, PolicyError, has_unnamed_child
+from kvpool_sidecar.policies.base import (
+    NO_PAGE,
+    EvictionPolicy,
+    PageTree,
+    PolicyContext,
+    PolicyError,
+    has_unnamed_child,
+)
 from kvpool_sidecar.policies.fifo import FIFOPolicy, S3FIFOPolicy
 from kvpool_sidecar.policies.lfu import LFUPolicy
 from kvpool_sidecar.policies.lru import LRUPolicy
@@ -37,6 +44,7 @@ __all__ = [
     "FIFOPolicy",
     "LFUPolicy",
     "LRUPolicy",
+    "PageTree",
     "PolicyContext",
     "PolicyError",
     "PolicyFactory",

@@ -8,16 +8,18 @@ list[int]``: the next ``count`` victims (``count <= len(policy)``) in the order
 :meth:`EvictionPolicy.victim` would give them. The two sequences are the pool's prefix tree, read-only
 (``NO_PAGE`` ends a list): a victim with a child that is not an earlier victim of the same call has
 descendants, which the pool evicts with it and uses before asking for more. The policy either stops
-right after such a page (workload-aware does) or offers ``restore(pages)``, through which the pool
-puts back, in front and in order, the victims named after one (LRU does: under LRU a victim's
-descendants nearly always went before it, so it names without looking).
+right after such a page or offers ``restore(pages)``, through which the pool puts back, in front and
+in order, the victims named after one (LRU does: under LRU a victim's descendants nearly always went
+before it, so it names without looking). The workload-aware policy reads the tree from its context
+(:class:`PageTree`) and passes over a page with cached descendants until they are gone: ranking
+pages of different classes, it would otherwise cut whole subtrees (every chat under a system prompt).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.workload import ReuseModel
@@ -34,14 +36,25 @@ def has_unnamed_child(page: int, links: tuple[Sequence[int], Sequence[int]], nam
     return child != NO_PAGE
 
 
+class PageTree(NamedTuple):
+    """The pool's prefix tree, read-only: per page, its parent, first child and next sibling
+    (``NO_PAGE`` where there is none). The parent of a page that is not cached may be stale."""
+
+    parent: Sequence[int]
+    first_child: Sequence[int]
+    next_sib: Sequence[int]
+
+
 @dataclass(frozen=True, slots=True)
 class PolicyContext:
-    """What a policy may know of its pool: the spec, the shared reuse model, page keys, its partition."""
+    """What a policy may know of its pool: the spec, the shared reuse model, page keys, its partition
+    and (when it runs in a pool) the prefix tree."""
 
     spec: KVCachePolicySpec
     model: ReuseModel
     key_of: Callable[[int], Hashable | None]
     partition: str = "toC"
+    tree: PageTree | None = None
 
 
 class EvictionPolicy(Protocol):
