@@ -553,10 +553,26 @@ class PagePool:
         self.evictions += evicted
         self._count_evictions(part, "expired", expired)
         self._count_evictions(part, "capacity", evicted - expired)
-        if ghost is not None:
-            while len(ghost) > self._ghost_cap:
-                ghost.popitem(last=False)
+        if ghost is not None and len(ghost) > self._ghost_cap:
+            self._trim_ghost(now)
         return pages
+
+    def _trim_ghost(self, now: float) -> None:
+        """Forget the oldest evicted keys over the cap: each is a page seen not reused for as long as it
+        was remembered, which the reuse model needs as much as the reuses (censored observations)."""
+        ghost = self._ghost
+        pop = ghost.popitem
+        censored: dict[Hashable, list[float]] = {}
+        for _ in range(len(ghost) - self._ghost_cap):
+            klass, released = pop(last=False)[1]
+            acc = censored.get(klass)
+            if acc is None:
+                censored[klass] = [1.0, now - released]
+            else:
+                acc[0] += 1.0
+                acc[1] += now - released
+        for klass, (pages, exposure) in censored.items():
+            self.model.observe_censored(klass, pages, exposure, now)
 
     def _evict_with_descendants(self, part: int, page: int, count: int, now: float) -> list[int]:
         """The rest of :meth:`_evict_for` from a victim ``page`` that has cached descendants: they go

@@ -37,6 +37,9 @@ class ClassFit:
     releases: float = 0.0  # page releases (each could be followed by a reuse)
     reuses: float = 0.0  # page reuses observed
     gap_sum: float = 0.0  # seconds between a page's release and its reuse, summed
+    censored: float = 0.0  # pages forgotten unreused (their ghost key dropped): censored observations
+    exposure: float = 0.0  # seconds those pages were watched for a reuse, summed
+    em: tuple[float, float] | None = None  # the last (p, rate) of the censored fit: its next start
     total_reuses: int = 0  # undecayed, for cold start and drift checks
     updated_at: float = 0.0
     reference_rate: float | None = None
@@ -120,6 +123,8 @@ class ReuseModel:
             fit.releases *= d
             fit.reuses *= d
             fit.gap_sum *= d
+            fit.censored *= d
+            fit.exposure *= d
             fit.updated_at = now
 
     def observe_release(self, klass: ClassKey, pages: int, now: float) -> None:
@@ -127,6 +132,27 @@ class ReuseModel:
             if now > fit.updated_at:
                 self._age(fit, now)
             fit.releases += pages
+
+    def observe_censored(self, klass: ClassKey, pages: float, exposure: float, now: float) -> None:
+        """``pages`` released pages were watched for ``exposure`` seconds in all and not reused.
+
+        Moves the censored fit one EM step (the workload class's first: a class shrinks towards it),
+        so that the fit depends on the observations alone, not on how often it is read.
+        """
+        own, parent = self._pairs.get(klass) or self._fit_pair(klass)
+        fits = (parent, own) if own is not parent else (own,)
+        for fit in fits:
+            if now > fit.updated_at:
+                self._age(fit, now)
+            fit.censored += pages
+            fit.exposure += exposure
+        k = float(self.min_samples)
+        for fit in fits:
+            if fit is parent:
+                prior_p, prior_rate = PRIOR_REUSE_PROBABILITY, self._prior_for(fit.klass)
+            else:
+                prior_p, prior_rate, _ = self.params(parent.klass)
+            fit.em = _em_step(fit, k, prior_p, prior_rate)
 
     def observe_reuse(self, klass: ClassKey, pages: int, gap_sum: float, now: float) -> None:
         """``pages`` cached pages were reused; ``gap_sum`` is their summed time since last release."""
@@ -156,30 +182,12 @@ class ReuseModel:
         return float(self.min_samples)
 
     def rate(self, klass: ClassKey) -> float:
-        """Fitted reuse rate (per second): decayed MLE of the exponential, shrunk towards its parent's.
-
-        A class (to-C x file x turn 2) shrinks towards its workload class (to-C), which shrinks
-        towards the configured prior: a rare class borrows its parent's evidence rather than sitting
-        on an optimistic prior that no observation has corrected.
-        """
-        parent = _parent(klass)
-        prior = self._prior_for(klass) if parent == klass else self.rate(parent)
-        fit = self._fits.get(klass)
-        if fit is None:
-            return prior
-        k = self._weight(fit)
-        return (fit.reuses + k) / (fit.gap_sum + k / prior)
+        """Fitted reuse rate (per second), shrunk towards its parent's (see :meth:`params`)."""
+        return self.params(klass)[1]
 
     def reuse_probability(self, klass: ClassKey) -> float:
         """Probability that a released page is ever reused (1 - the never-reused mass)."""
-        parent = _parent(klass)
-        prior = PRIOR_REUSE_PROBABILITY if parent == klass else self.reuse_probability(parent)
-        fit = self._fits.get(klass)
-        if fit is None:
-            return prior
-        k = self._weight(fit)
-        p = (fit.reuses + k * prior) / (fit.releases + k)
-        return min(max(p, _MIN_P), _MAX_P)
+        return self.params(klass)[0]
 
     def params(self, klass: ClassKey) -> tuple[float, float, float]:
         """(:meth:`reuse_probability`, :meth:`rate`, :meth:`window_of`) of a class in one pass."""
@@ -197,15 +205,18 @@ class ReuseModel:
         fit = self._fits.get(klass)
         if fit is None:
             return prior_p, prior_rate, window
-        k = self._weight(fit)
+        if fit.em is not None:
+            p, lam = fit.em
+            return p, lam, window
+        k = float(self.min_samples)
         p = (fit.reuses + k * prior_p) / (fit.releases + k)
         return min(max(p, _MIN_P), _MAX_P), (fit.reuses + k) / (fit.gap_sum + k / prior_rate), window
 
     def p_reuse(self, klass: ClassKey, age: float, window: float | None = None) -> float:
         """P(reused within the next ``window`` | not reused for ``age`` seconds)."""
-        lam = self.rate(klass)
-        p = self.reuse_probability(klass)
-        w = self.window_of(klass) if window is None else window
+        p, lam, w = self.params(klass)
+        if window is not None:
+            w = window
         return p_reuse(p, lam, age, w)
 
     def classes(self) -> dict[ClassKey, tuple[float, float, int]]:
@@ -283,3 +294,28 @@ class DecayedCounter:
 
     def __len__(self) -> int:
         return len(self._value)
+
+
+def _em_step(fit: ClassFit, k: float, prior_p: float, prior_rate: float) -> tuple[float, float]:
+    """One EM step of the (p, rate) fit with censored observations, shrunk by ``k`` pseudo-reuses.
+
+    A page forgotten after ``c`` seconds unreused is either never reused or reused later than ``c``;
+    the E step splits those two (expected share ``w`` of the late ones), the M step counts the
+    watched time of the late ones as exposure. Where the cache forgets pages long before their reuses
+    come (to-C chats at 1 %: pages are watched for tens of seconds, turns come minutes apart), the
+    gaps seen cannot show a decay, and the fit moves towards "likely reused, at the rate observed per
+    watched second" instead of a fast decay fitted to truncated gaps (the plain estimate, reuses over
+    summed gaps, takes every gap it sees for a whole gap).
+    """
+    reuses, gaps, censored = fit.reuses, fit.gap_sum, fit.censored
+    watched = fit.exposure / censored
+    if fit.em is None:  # start from the plain estimate
+        p = (reuses + k * prior_p) / (reuses + censored + k)
+        lam = (reuses + k) / (gaps + k / prior_rate)
+    else:
+        p, lam = fit.em
+    late = p * math.exp(-lam * watched)
+    w = late / (1.0 - p + late)
+    p = min(max((reuses + censored * w + k * prior_p) / (reuses + censored + k), _MIN_P), _MAX_P)
+    lam = (reuses + k) / (gaps + censored * w * watched + k / prior_rate)
+    return p, lam

@@ -395,3 +395,20 @@ def test_class_by_chooses_what_splits_the_reuse_statistics():
     assert classes_after(["requestType", "turn"]) == {("toC", "text", 0), ("toC", "file", 3), ("toC", "text", 1)}
     assert classes_after(["turn"]) == {("toC", "", 0), ("toC", "", 3), ("toC", "", 1)}
     assert classes_after([]) == {("toC", "", 0)}
+
+
+def test_evicted_keys_seen_again_are_reuses_and_forgotten_ones_are_censored_observations():
+    """The reuse model hears of every released page's outcome: reused (in cache or from the ghost of
+    evicted keys) or forgotten unreused after so many seconds (the ghost holds one key per page)."""
+    pool = make_pool(8, eviction={"policy": "workload_aware"}, workloads={"toB": {"isolationPercent": 0}})
+    klass = pool.class_of(WorkloadMeta())
+    for i in range(40):  # 40 one-page prompts, never reused: 32 evicted, 24 of them forgotten
+        pool.admit(f"s{i}", block_hashes=[i], meta=WorkloadMeta(), now=float(i))
+        pool.commit(f"s{i}", PS)
+        pool.release(f"s{i}", now=float(i))
+    fit = pool.model._fits[klass]
+    assert fit.reuses == 0 and round(fit.censored, 1) == pytest.approx(24, abs=0.3)
+    # Each was forgotten 16 s after its release (8 pages cached, 8 keys remembered, one new a second).
+    assert fit.exposure / fit.censored == pytest.approx(16.0, abs=0.5)
+    pool.admit("late", block_hashes=[28], meta=WorkloadMeta(), now=41.0)  # evicted, still remembered
+    assert pool.ghost_hits == 1 and pool.model._fits[klass].total_reuses == 1

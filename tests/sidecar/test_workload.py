@@ -38,6 +38,55 @@ def test_fit_recovers_rate_and_reuse_probability():
     assert abs(model.reuse_probability(CHAT) - 0.3) < 0.03
 
 
+def watch(model: ReuseModel, klass, rate_per_s: float, p: float, horizon: float, pages: int, seed: int) -> None:
+    """Like :func:`feed`, but a reuse is seen only within ``horizon`` seconds of the release (the time
+    a page stays cached or remembered by the ghost); the others are reported as censored."""
+    rng = random.Random(seed)
+    now = 0.0
+    for _ in range(pages):
+        now += 1.0
+        model.observe_release(klass, 1, now)
+        gap = rng.expovariate(rate_per_s) if rng.random() < p else math.inf
+        if gap < horizon:
+            model.observe_reuse(klass, 1, gap, now)
+        else:
+            model.observe_censored(klass, 1, horizon, now)
+
+
+def test_censored_fit_recovers_rate_and_reuse_probability_when_pages_are_watched_long():
+    model = ReuseModel(KVCachePolicySpec())
+    watch(model, CHAT, rate_per_s=1 / 120, p=0.3, horizon=3000, pages=20_000, seed=1)
+    assert abs(model.rate(CHAT) * 120 - 1) < 0.1
+    assert abs(model.reuse_probability(CHAT) - 0.3) < 0.03
+
+
+def test_pages_forgotten_before_their_reuse_do_not_make_a_slow_class_look_fast_or_worthless():
+    """Chats reused after minutes in a cache that remembers a page for 20 s: the gaps seen are all
+    short. Taken as whole gaps they fit a fast decay and a tiny reuse probability; with the forgotten
+    pages counted as censored, the reuses per watched second (what eviction weighs) stay close to the
+    truth, and so does the order of two classes that differ in how often they come back."""
+    truth = {CHAT: 0.8, ("toC", "text", 1): 0.2}
+    censored, plain = ReuseModel(KVCachePolicySpec()), ReuseModel(KVCachePolicySpec())
+    for seed, (klass, p) in enumerate(truth.items()):
+        watch(censored, klass, rate_per_s=1 / 400, p=p, horizon=20, pages=20_000, seed=seed)
+        feed_seen = random.Random(seed)  # the same pages, without the censored reports
+        now = 0.0
+        for _ in range(20_000):
+            now += 1.0
+            plain.observe_release(klass, 1, now)
+            gap = feed_seen.expovariate(1 / 400) if feed_seen.random() < p else math.inf
+            if gap < 20:
+                plain.observe_reuse(klass, 1, gap, now)
+    for klass, p in truth.items():
+        hazard = p / 400  # reuses per second of a page just released
+        fitted_p, fitted_rate, _ = censored.params(klass)
+        assert 0.5 < fitted_p * fitted_rate / hazard < 2
+        plain_p, plain_rate, _ = plain.params(klass)
+        assert plain_p * plain_rate / hazard < 0.3
+    high, low = (censored.p_reuse(klass, 10.0) for klass in truth)
+    assert high > 1.8 * low  # the truth: 4x; the window-wide probability saturates
+
+
 def test_never_reused_mass_makes_old_pages_worthless():
     # With p = 1 an exponential is memoryless: age changes nothing. With p < 1, waiting is evidence
     # that the page belongs to the never-reused mass.
