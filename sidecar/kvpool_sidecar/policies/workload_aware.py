@@ -43,7 +43,7 @@ from itertools import islice
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies.base import NO_PAGE, PageTree, PolicyContext, has_unnamed_child
-from kvpool_sidecar.workload import ReuseModel, p_reuse
+from kvpool_sidecar.workload import ReuseModel
 
 BUCKETS_PER_WINDOW = 8
 MERGE_BELOW = 64  # live pages under which the oldest bucket is merged into the next
@@ -217,7 +217,8 @@ class WorkloadAwarePolicy(_Scoring):
         self._cands: dict[Hashable, tuple] = {}  # class -> its eviction candidate, ranked at _cands_now
         self._cands_now = math.nan
         self._base: dict[tuple, tuple[bool, float]] = {}  # (class, released) -> (fresh, score w/o locality)
-        self._params: dict[Hashable, tuple[float, float, float]] = {}  # class -> (p, rate, window) at _cands_now
+        # class -> (p, rate, window, P(a gap under the window)) at _cands_now
+        self._params: dict[Hashable, tuple[float, float, float, float]] = {}
         self._dirty: set[Hashable] = set()  # classes whose candidate may have changed
         self._hist = [0.0] * _HIST_BINS
         self._threshold = math.inf
@@ -319,10 +320,12 @@ class WorkloadAwarePolicy(_Scoring):
         if base is None:
             params = self._params.get(klass)
             if params is None:
-                params = self._params[klass] = self.model.params(klass)
-            p, lam, window = params
+                p, lam, window = self.model.params(klass)
+                params = self._params[klass] = (p, lam, window, 1.0 - math.exp(-lam * window))
+            p, lam, window, within = params
             age = now - released
-            score = self.alpha * p_reuse(p, lam, age, window)
+            survive = p * math.exp(-lam * age)  # p_reuse, its age-free factor computed once per class
+            score = self.alpha * (survive * within / (survive + 1.0 - p))
             if age <= window:
                 score += self.gamma
             base = self._base[(klass, released)] = (age <= window, score)
@@ -417,7 +420,7 @@ class WorkloadAwarePolicy(_Scoring):
         over (deferred) until its descendants are gone, so the pool never has to cascade; should
         only such pages be left, one is named and the call stops there (the pool then evicts its
         descendants with it)."""
-        first_child = links[0]
+        first_child, next_sib = links
         parent_of = self._tree.parent
         self._best(now)  # candidates up to date for ``now``
         cands = self._cands
@@ -452,7 +455,10 @@ class WorkloadAwarePolicy(_Scoring):
                     stop = True
                     break
                 page = entry[_PAGE]
-                if first_child[page] == NO_PAGE or not has_unnamed_child(page, links, named):
+                child = first_child[page]
+                if child == NO_PAGE or (child in named and next_sib[child] == NO_PAGE):
+                    break  # a leaf, or the page before the last one named in its chain: the usual cases
+                if not has_unnamed_child(page, links, named):
                     break
                 if not parent_of:  # no tree to follow (a policy used outside a pool): name it, stop
                     stop = True
@@ -479,7 +485,7 @@ class WorkloadAwarePolicy(_Scoring):
         """
         protected = self._protected
         base_ranks = self._base
-        dirty = self._dirty
+        queues = self._queues
         for _ in range(min(_DEMOTE_PER_CALL, len(protected))):
             page, entry = protected.popitem(last=False)
             klass = entry[_KLASS]
@@ -489,8 +495,7 @@ class WorkloadAwarePolicy(_Scoring):
                 protected[page] = entry  # still in the top share: back in front, and so is the rest
                 protected.move_to_end(page, last=False)
                 return
-            (self._queues.get(klass) or self._queue(klass)).push(entry)
-            dirty.add(klass)
+            (queues.get(klass) or self._queue(klass)).push(entry)  # its caller re-ranks every class
 
     def __len__(self) -> int:
         return len(self._entry)
