@@ -152,11 +152,11 @@ class _Tree:
         parent_of[page] = NO_PAGE
 
 
-def filled_in_tree(seed: int, with_tree: bool = True) -> tuple[Any, _Tree, float]:
+def filled_in_tree(seed: int, with_tree: bool = True, name: str = "workload_aware") -> tuple[Any, _Tree, float]:
     tree = _Tree(seed)
     spec = KVCachePolicySpec()
     context = PolicyContext(spec, ReuseModel(spec), lambda p: ("key", p), "toC", tree.tree if with_tree else None)
-    policy = make_policy("workload_aware", context)
+    policy = make_policy(name, context)
     rng = random.Random(seed)
     now = 0.0
     for start in range(0, 300, 10):
@@ -188,6 +188,17 @@ def test_workload_aware_names_a_page_only_after_its_descendants(seed: int) -> No
     assert named == order
     plain, tree_c, _ = filled_in_tree(seed, with_tree=False)  # the rank alone would cut subtrees
     assert any(tree_c.children(page) for page in drain(plain)[:150] if not tree_c.unlink_if_leaf(page))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_the_exact_scan_also_names_a_page_only_after_its_descendants(seed: int) -> None:
+    exact, tree, now = filled_in_tree(seed, name="workload_aware_exact")
+    order = []
+    while len(exact):
+        page = exact.victim(now)
+        tree.unlink(page)  # fails if the page still had a child
+        order.append(page)
+    assert sorted(order) == list(range(300))
 
 
 def test_lru_reinserts_at_the_tail_and_fifo_does_not():

@@ -19,8 +19,8 @@ page leaves it when its current score drops out of the top share or its window e
 
 ``workload_aware_exact`` evaluates the full score, at eviction time, of every candidate that can be
 the minimum. Within one (class, locality level) group the rank never improves with age, so the oldest
-page of each group is the only candidate in it: scanning the group heads is an exact arg-min over all
-pages.
+page of each group is the only candidate in it: scanning the group heads (and the few deferred pages
+whose descendants have gone) is an exact arg-min over all pages without cached descendants.
 
 Both rank pages by (expired, score): a page past its class's window goes before any page inside it,
 whatever its score (a stale system prompt must not outlive a fresh conversation).
@@ -512,6 +512,13 @@ class WorkloadAwareExactPolicy(_Scoring):
         # (class, locality level) -> page -> release time, oldest first
         self._groups: dict[tuple[Hashable, int], OrderedDict[int, float]] = {}
         self._group_of: dict[int, tuple[Hashable, int]] = {}
+        self._release_of: dict[int, float] = {}
+        # Leaves only, as in the bucketed policy: pages with cached descendants wait out of their
+        # group; once their descendants are gone they are candidates of their own ("ready").
+        self._deferred: dict[int, None] = {}
+        self._ready: dict[int, None] = {}
+        tree = ctx.tree
+        self._tree = tree if tree is not None else PageTree((), (), ())
 
     def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
         for page, depth in zip(pages, depths, strict=True):
@@ -521,13 +528,24 @@ class WorkloadAwareExactPolicy(_Scoring):
                 members = self._groups[group] = OrderedDict()
             members[page] = now
             self._group_of[page] = group
+            self._release_of[page] = now
 
-    def _forget(self, page: int) -> None:
-        group = self._group_of.pop(page)
+    def _leave_group(self, page: int) -> None:
+        group = self._group_of[page]
         members = self._groups[group]
         del members[page]
         if not members:
             del self._groups[group]
+
+    def _forget(self, page: int) -> None:
+        if page in self._deferred:
+            del self._deferred[page]
+        elif page in self._ready:
+            del self._ready[page]
+        else:
+            self._leave_group(page)
+        del self._group_of[page]
+        del self._release_of[page]
 
     def take(self, page: int, now: float, hit: bool) -> None:
         self._forget(page)
@@ -538,17 +556,45 @@ class WorkloadAwareExactPolicy(_Scoring):
     def victim(self, now: float) -> int:
         page = self.peek(now)
         self._forget(page)
+        parent_of, first_child, next_sib = self._tree
+        if parent_of:
+            parent = parent_of[page]
+            if parent in self._deferred and not has_unnamed_child(parent, (first_child, next_sib), (page,)):
+                del self._deferred[parent]
+                self._ready[parent] = None
         return page
 
     def peek(self, now: float) -> int:
-        best_page = -1
-        best = (True, math.inf, math.inf)
-        for (klass, level), members in self._groups.items():
-            page, released = next(iter(members.items()))
-            key = (*self.rank(klass, level, now - released), released)  # ties: the older page
-            if key < best:
-                best, best_page = key, page
-        return best_page
+        first_child = self._tree.first_child
+        for page in list(islice(self._deferred, _DEMOTE_PER_CALL)):  # descendants gone unnamed
+            del self._deferred[page]
+            if first_child[page] == NO_PAGE:
+                self._ready[page] = None
+            else:
+                self._deferred[page] = None
+        while True:
+            best_page = -1
+            best = (True, math.inf, math.inf)
+            for (klass, level), members in self._groups.items():
+                page, released = next(iter(members.items()))
+                key = (*self.rank(klass, level, now - released), released)  # ties: the older page
+                if key < best:
+                    best, best_page = key, page
+            for page in self._ready:
+                klass, level = self._group_of[page]
+                released = self._release_of[page]
+                key = (*self.rank(klass, level, now - released), released)
+                if key < best:
+                    best, best_page = key, page
+            if best_page < 0 or not first_child or first_child[best_page] == NO_PAGE:
+                if best_page < 0 and self._deferred:  # unreachable while the tree is consistent
+                    return next(iter(self._deferred))
+                return best_page
+            if best_page in self._ready:  # gained a child again since it came back
+                del self._ready[best_page]
+            else:
+                self._leave_group(best_page)
+            self._deferred[best_page] = None
 
     def __len__(self) -> int:
         return len(self._group_of)
