@@ -10,6 +10,9 @@ without reuse, the probability that it is reused within the next ``window`` seco
 
 Both parameters are fitted online per class from decayed counters (so the fit follows a drifting
 workload) and shrunk towards the configured priors until ``minSamples`` reuses have been seen.
+The pool reports reuses (with their gaps) and, where it keeps a ghost of evicted keys, the pages it
+forgot unreused after so many seconds: censored observations, taken in by EM (:func:`_em_step`).
+Without them a small cache, which sees only the short gaps, would fit a fast decay to every class.
 Plain Python: no I/O, no clock of its own.
 """
 
