@@ -3,8 +3,8 @@
     .venv/bin/python bench/eviction.py [--pages 1000000] [--evictions 20000]
 
 The pool is filled with cached chat prefixes of several classes (chains of 64 pages released over
-ten minutes of simulated time), and its ghost of evicted keys (workload-aware policies) with as many
-keys as it holds; then fresh prompts are admitted through the pool's own eviction path (the
+ten minutes of simulated time), and its ghost of evicted keys (workload-aware policies) up to its
+cap; then fresh prompts are admitted through the pool's own eviction path (the
 policy's choice plus the pool's bookkeeping, forgetting an old key per evicted page); each
 admission is timed on its own.
 To compare two versions on a noisy machine, count instructions (``valgrind --tool=cachegrind
@@ -49,8 +49,8 @@ def filled_pool(policy: str, pages: int, seed: int = 0) -> tuple[PagePool, float
         if s % 50 == 0:  # some reuse, so that the fits and frequencies have something to learn
             pool.admit("hit", block_hashes=list(range(s * CHAIN, s * CHAIN + 8)), meta=meta, now=now)
             pool.release("hit", now=now)
-    # A pool that has run a while remembers as many evicted keys as it has pages (policies that
-    # learn from late reuses): every eviction then also forgets one, as in a steady state.
+    # A pool that has run a while has a full ghost of evicted keys (policies that learn from late
+    # reuses): evictions then also forget old keys, as in a steady state.
     klass = pool.class_of(WorkloadMeta())
     for i in range(pool._ghost_cap):
         pool._ghost[("forgotten", i)] = (klass, 0.0)

@@ -36,6 +36,12 @@ from kvpool_sidecar.workload import DecayedCounter, ReuseModel
 TO_C = "toC"
 TO_B = "toB"
 DEFAULT_TENANT = "default"
+# The ghost remembers one evicted key in GHOST_SAMPLE (by the key's hash, so that a reuse is looked
+# for on the keys that were remembered) and each stands for GHOST_SAMPLE pages: its pages / GHOST_SAMPLE
+# keys cover as much history as one key per page did, at a quarter of the memory and of the cost per
+# eviction (a dict operation on a ghost of a million keys is mostly cache misses).
+GHOST_SAMPLE = 4
+_GHOST_MASK = GHOST_SAMPLE - 1
 _PARTITIONS = (TO_C, TO_B)
 PREFIX_RATE_WINDOW = 10.0  # seconds over which a prefix's QPS is measured (auto-pin by QPS)
 _MAX_TRACKED_PREFIXES = 65_536  # prefix rates kept before the cold ones are pruned
@@ -336,7 +342,8 @@ class PagePool:
     # --------------------------------------------------------------------------- configuration
     def _apply(self, spec: KVCachePolicySpec) -> None:
         n = self.total_pages
-        self._ghost_cap = n if any(getattr(p, "uses_model", False) for p in self._policies) else 0
+        uses_model = any(getattr(p, "uses_model", False) for p in self._policies)
+        self._ghost_cap = max(1, n // GHOST_SAMPLE) if uses_model else 0
         if not self._ghost_cap:
             self._ghost.clear()
         to_b = int(n * spec.workloads.toB.isolationPercent / 100)
@@ -538,7 +545,7 @@ class PagePool:
             k = key[page]
             del index[k]
             key[page] = None
-            if ghost is not None:
+            if ghost is not None and not hash(k) & _GHOST_MASK:
                 ghost[k] = (klass_of[page], last[page])
             parent = parent_of[page]
             if parent != NO_PAGE:
@@ -572,7 +579,7 @@ class PagePool:
                 acc[0] += 1.0
                 acc[1] += now - released
         for klass, (pages, exposure) in censored.items():
-            self.model.observe_censored(klass, pages, exposure, now)
+            self.model.observe_censored(klass, GHOST_SAMPLE * pages, GHOST_SAMPLE * exposure, now)
 
     def _evict_with_descendants(self, part: int, page: int, count: int, now: float) -> list[int]:
         """The rest of :meth:`_evict_for` from a victim ``page`` that has cached descendants: they go
@@ -644,7 +651,7 @@ class PagePool:
         """Remove an evictable page from the index and the tree and free it."""
         k = self._key[page]
         del self._index[k]
-        if self._ghost_cap:
+        if self._ghost_cap and not hash(k) & _GHOST_MASK:
             self._ghost[k] = (self._klass[page], self._last[page])
         self._key[page] = None
         self._unlink(page)
@@ -730,6 +737,8 @@ class PagePool:
             late = 0
             late_gaps = 0.0
             for key in keys[len(hits):]:
+                if hash(key) & _GHOST_MASK:
+                    continue  # not one of the sampled keys: neither seen nor a reason to stop
                 seen = ghost.pop(key, None)
                 if seen is None:
                     break
@@ -737,8 +746,8 @@ class PagePool:
                     if late:
                         self.model.observe_reuse(late_class, late, late_gaps, now)
                     late_class, late, late_gaps = seen[0], 0, 0.0
-                late += 1
-                late_gaps += now - seen[1]
+                late += GHOST_SAMPLE  # each remembered key stands for the unsampled ones
+                late_gaps += GHOST_SAMPLE * (now - seen[1])
             if late:
                 self.ghost_hits += late
                 self.model.observe_reuse(late_class, late, late_gaps, now)

@@ -8,6 +8,7 @@ import pytest
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies import LRUPolicy
 from kvpool_sidecar.pool import (
+    GHOST_SAMPLE,
     TO_B,
     TO_C,
     DuplicateSequence,
@@ -398,17 +399,24 @@ def test_class_by_chooses_what_splits_the_reuse_statistics():
 
 
 def test_evicted_keys_seen_again_are_reuses_and_forgotten_ones_are_censored_observations():
-    """The reuse model hears of every released page's outcome: reused (in cache or from the ghost of
-    evicted keys) or forgotten unreused after so many seconds (the ghost holds one key per page)."""
-    pool = make_pool(8, eviction={"policy": "workload_aware"}, workloads={"toB": {"isolationPercent": 0}})
-    klass = pool.class_of(WorkloadMeta())
-    for i in range(40):  # 40 one-page prompts, never reused: 32 evicted, 24 of them forgotten
-        pool.admit(f"s{i}", block_hashes=[i], meta=WorkloadMeta(), now=float(i))
+    """The reuse model hears of every released page's outcome: reused (in cache, or late: its key
+    still in the ghost of evicted keys) or forgotten unreused after so many seconds. The ghost keeps
+    one evicted key in GHOST_SAMPLE, each standing for GHOST_SAMPLE pages."""
+    pool = make_pool(64, eviction={"policy": "workload_aware"}, workloads={"toB": {"isolationPercent": 0}})
+    meta = WorkloadMeta()
+    klass = pool.class_of(meta)
+    for i in range(1000):  # one-page prompts, never reused, one every 10 ms
+        pool.admit(f"s{i}", block_hashes=[i], meta=meta, now=i / 100)
         pool.commit(f"s{i}", PS)
-        pool.release(f"s{i}", now=float(i))
+        pool.release(f"s{i}", now=i / 100)
     fit = pool.model._fits[klass]
-    assert fit.reuses == 0 and round(fit.censored, 1) == pytest.approx(24, abs=0.3)
-    # Each was forgotten 16 s after its release (8 pages cached, 8 keys remembered, one new a second).
-    assert fit.exposure / fit.censored == pytest.approx(16.0, abs=0.5)
-    pool.admit("late", block_hashes=[28], meta=WorkloadMeta(), now=41.0)  # evicted, still remembered
-    assert pool.ghost_hits == 1 and pool.model._fits[klass].total_reuses == 1
+    assert fit.reuses == 0
+    # 936 evicted, 64 of them (16 sampled keys) still remembered: the rest reported as censored.
+    assert fit.censored == pytest.approx(936 - 64, rel=0.2)
+    # Watched while cached (64 pages) and remembered (about 64 more): about 1.28 s each.
+    assert fit.exposure / fit.censored == pytest.approx(1.28, rel=0.25)
+    remembered = [i for i in range(900, 936) if pool._keys(None, [i], PS, meta)[0][0] in pool._ghost]
+    assert remembered  # one in four, by hash
+    pool.admit("late", block_hashes=[remembered[-1]], meta=meta, now=10.0)
+    assert pool.ghost_hits == GHOST_SAMPLE
+    assert pool.model._fits[klass].total_reuses == GHOST_SAMPLE
