@@ -166,17 +166,23 @@ def filled_in_tree(seed: int, with_tree: bool = True, name: str = "workload_awar
     return policy, tree, now + 1.0
 
 
+def drain_in_tree(policy: Any, tree: _Tree, now: float) -> list[int]:
+    """Every victim, one at a time, unlinked as the pool would: fails on a victim with a child."""
+    order = []
+    while len(policy):
+        page = policy.victim(now)
+        tree.unlink(page)
+        order.append(page)
+    assert sorted(order) == list(range(300))
+    return order
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_workload_aware_names_a_page_only_after_its_descendants(seed: int) -> None:
     """A prefix is worth at least its continuations: a page with cached children is passed over until
     they are gone, so the pool never has to evict a subtree with it (one at a time and in bulk alike)."""
     one_by_one, tree_a, now = filled_in_tree(seed)
-    order = []
-    while len(one_by_one):
-        page = one_by_one.victim(now)
-        tree_a.unlink(page)  # fails if the page still had a child
-        order.append(page)
-    assert sorted(order) == list(range(300))
+    order = drain_in_tree(one_by_one, tree_a, now)
     bulk, tree_b, now = filled_in_tree(seed)
     named: list[int] = []
     for count in (1, 37, 100, 62, 100):
@@ -193,12 +199,7 @@ def test_workload_aware_names_a_page_only_after_its_descendants(seed: int) -> No
 @pytest.mark.parametrize("seed", range(2))
 def test_the_exact_scan_also_names_a_page_only_after_its_descendants(seed: int) -> None:
     exact, tree, now = filled_in_tree(seed, name="workload_aware_exact")
-    order = []
-    while len(exact):
-        page = exact.victim(now)
-        tree.unlink(page)  # fails if the page still had a child
-        order.append(page)
-    assert sorted(order) == list(range(300))
+    drain_in_tree(exact, tree, now)
 
 
 def test_lru_reinserts_at_the_tail_and_fifo_does_not():
