@@ -51,6 +51,7 @@ LOCALITY_LEVELS = 16  # S_locality is quantised so that the exact variant has fe
 _HIST_BINS = 64
 _DEMOTE_PER_CALL = 32
 _THRESHOLD_EVERY = 64  # sampled scores between threshold updates
+_RECHECK_PER_CALL = 32  # deferred pages looked at again per new ``now`` (descendants gone unnamed)
 
 
 def locality_level(depth: int, length: int) -> int:
@@ -391,7 +392,7 @@ class WorkloadAwarePolicy(_Scoring):
         policy (taken into use and then released elsewhere, or cached in the other partition)."""
         deferred = self._deferred
         first_child = self._tree.first_child
-        for page in list(islice(deferred, _DEMOTE_PER_CALL)):
+        for page in list(islice(deferred, _RECHECK_PER_CALL)):
             if first_child[page] == NO_PAGE:
                 self._undefer(page)
             else:
@@ -512,11 +513,11 @@ class WorkloadAwareExactPolicy(_Scoring):
         # (class, locality level) -> page -> release time, oldest first
         self._groups: dict[tuple[Hashable, int], OrderedDict[int, float]] = {}
         self._group_of: dict[int, tuple[Hashable, int]] = {}
-        self._release_of: dict[int, float] = {}
         # Leaves only, as in the bucketed policy: pages with cached descendants wait out of their
-        # group; once their descendants are gone they are candidates of their own ("ready").
-        self._deferred: dict[int, None] = {}
-        self._ready: dict[int, None] = {}
+        # group (page -> release time); once their descendants are gone they are candidates of their
+        # own ("ready").
+        self._deferred: dict[int, float] = {}
+        self._ready: dict[int, float] = {}
         tree = ctx.tree
         self._tree = tree if tree is not None else PageTree((), (), ())
 
@@ -528,14 +529,15 @@ class WorkloadAwareExactPolicy(_Scoring):
                 members = self._groups[group] = OrderedDict()
             members[page] = now
             self._group_of[page] = group
-            self._release_of[page] = now
 
-    def _leave_group(self, page: int) -> None:
+    def _leave_group(self, page: int) -> float:
+        """Take ``page`` out of its group; returns its release time."""
         group = self._group_of[page]
         members = self._groups[group]
-        del members[page]
+        released = members.pop(page)
         if not members:
             del self._groups[group]
+        return released
 
     def _forget(self, page: int) -> None:
         if page in self._deferred:
@@ -545,7 +547,6 @@ class WorkloadAwareExactPolicy(_Scoring):
         else:
             self._leave_group(page)
         del self._group_of[page]
-        del self._release_of[page]
 
     def take(self, page: int, now: float, hit: bool) -> None:
         self._forget(page)
@@ -560,18 +561,17 @@ class WorkloadAwareExactPolicy(_Scoring):
         if parent_of:
             parent = parent_of[page]
             if parent in self._deferred and not has_unnamed_child(parent, (first_child, next_sib), (page,)):
-                del self._deferred[parent]
-                self._ready[parent] = None
+                self._ready[parent] = self._deferred.pop(parent)
         return page
 
     def peek(self, now: float) -> int:
         first_child = self._tree.first_child
-        for page in list(islice(self._deferred, _DEMOTE_PER_CALL)):  # descendants gone unnamed
-            del self._deferred[page]
+        for page in list(islice(self._deferred, _RECHECK_PER_CALL)):  # descendants gone unnamed
+            released = self._deferred.pop(page)
             if first_child[page] == NO_PAGE:
-                self._ready[page] = None
+                self._ready[page] = released
             else:
-                self._deferred[page] = None
+                self._deferred[page] = released
         while True:
             best_page = -1
             best = (True, math.inf, math.inf)
@@ -580,9 +580,8 @@ class WorkloadAwareExactPolicy(_Scoring):
                 key = (*self.rank(klass, level, now - released), released)  # ties: the older page
                 if key < best:
                     best, best_page = key, page
-            for page in self._ready:
+            for page, released in self._ready.items():
                 klass, level = self._group_of[page]
-                released = self._release_of[page]
                 key = (*self.rank(klass, level, now - released), released)
                 if key < best:
                     best, best_page = key, page
@@ -591,10 +590,10 @@ class WorkloadAwareExactPolicy(_Scoring):
                     return next(iter(self._deferred))
                 return best_page
             if best_page in self._ready:  # gained a child again since it came back
-                del self._ready[best_page]
+                released = self._ready.pop(best_page)
             else:
-                self._leave_group(best_page)
-            self._deferred[best_page] = None
+                released = self._leave_group(best_page)
+            self._deferred[best_page] = released
 
     def __len__(self) -> int:
         return len(self._group_of)
