@@ -786,43 +786,63 @@ class PagePool:
         if seq.publish_blocked or upto <= seq.published:
             return seq.published
         index = self._index
-        pages = seq.pages
-        keys = seq.keys
-        user = seq.meta.user
+        start = seq.published
+        new_keys = seq.keys[start:upto]
+        if index.keys().isdisjoint(new_keys):
+            self._publish_fresh(seq.pages, start, new_keys, seq.meta.user)
+            seq.published = upto
+        else:
+            self._publish_contended(seq, upto)
+        if self._autopin.enabled and seq.num_prompt_tokens >= self._autopin.minPromptTokens:
+            self._auto_pin(seq, self.clock() if now is None else now)
+        return seq.published
+
+    def _publish_fresh(self, pages: list[int], start: int, keys: list[Hashable], user: str) -> None:
+        """Index ``pages[start:start + len(keys)]`` under ``keys``, none of which is indexed yet."""
+        new_pages = pages[start : start + len(keys)]
+        self._index.update(zip(keys, new_pages, strict=True))
         key_of = self._key
         user_of = self._user
         parent_of = self._parent
         first_child = self._first_child
-        next_sib = self._next_sib
-        prev_sib = self._prev_sib
-        published = upto
-        parent = pages[seq.published - 1] if seq.published else NO_PAGE
-        for i in range(seq.published, upto):
-            key = keys[i]
-            page = pages[i]
-            holder = index.get(key)
-            if holder is None:
-                index[key] = page
-                key_of[page] = key
-                user_of[page] = user
-                parent_of[page] = parent
-                if parent != NO_PAGE:
-                    head = first_child[parent]
-                    if head != NO_PAGE:
-                        next_sib[page] = head
-                        prev_sib[head] = page
-                    first_child[parent] = page
-            elif holder != page:
-                # Another sequence published the same prefix first: ours stays private (freed on
-                # release), and so do the pages after it, whose parent would not be ours.
-                seq.publish_blocked = True
-                published = i
-                break
+        # The first page may join siblings under a published parent; each later one is the only
+        # child of the page before it, which nobody else could reach (it was not indexed).
+        parent = pages[start - 1] if start else NO_PAGE
+        page = new_pages[0]
+        key_of[page] = keys[0]
+        user_of[page] = user
+        parent_of[page] = parent
+        if parent != NO_PAGE:
+            head = first_child[parent]
+            if head != NO_PAGE:
+                self._next_sib[page] = head
+                self._prev_sib[head] = page
+            first_child[parent] = page
+        for i in range(1, len(new_pages)):
             parent = page
-        seq.published = published
-        if self._autopin.enabled and seq.num_prompt_tokens >= self._autopin.minPromptTokens:
-            self._auto_pin(seq, self.clock() if now is None else now)
-        return seq.published
+            page = new_pages[i]
+            key_of[page] = keys[i]
+            user_of[page] = user
+            parent_of[page] = parent
+            first_child[parent] = page
+
+    def _publish_contended(self, seq: _Seq, upto: int) -> None:
+        """Publish up to page ``upto`` when some keys are indexed already: by a fork sibling (the
+        same page, nothing to do) or by another sequence, which blocks ours from there on."""
+        index = self._index
+        pages = seq.pages
+        for i in range(seq.published, upto):
+            page = pages[i]
+            holder = index.get(seq.keys[i])
+            if holder is None:
+                self._publish_fresh(pages, i, [seq.keys[i]], seq.meta.user)
+            elif holder != page:
+                # Ours stays private (freed on release), and so do the pages after it, whose parent
+                # would not be ours.
+                seq.publish_blocked = True
+                seq.published = i
+                return
+        seq.published = upto
 
     def append(self, seq_id: str, num_new_tokens: int, now: float | None = None) -> list[int]:
         """Decoding grew the sequence; returns the pages added when it crossed page boundaries."""

@@ -48,7 +48,7 @@ def snapshot(pool: PagePool) -> tuple:
         dict(pool._index),
         list(pool._free),
         list(pool._pins),
-        [list(p._order) for p in pool.policies],  # type: ignore[attr-defined]
+        [p.order() for p in pool.policies],  # type: ignore[attr-defined]
         sorted(pool.pins),
     )
 
@@ -110,17 +110,19 @@ class RootFirst(LRUPolicy):
     victims = None  # type: ignore[assignment]  # named one at a time
 
     def victim(self, now: float) -> int:
-        return self._order.popitem(last=True)[0]
+        page = self.order()[-1]
+        self.take(page, now, False)
+        return page
 
 
 class RootsFirstInBulk(LRUPolicy):
     """The same order, named in bulk: the pool must hand back the victims after a cascade."""
 
     def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
-        return [self._order.popitem(last=True)[0] for _ in range(count)]
+        return [RootFirst.victim(self, now) for _ in range(count)]  # type: ignore[arg-type]
 
     def restore(self, pages: list[int]) -> None:
-        self._order.update(dict.fromkeys(reversed(pages)))
+        self.insert(pages[::-1], [0] * len(pages), len(pages), 0.0, None)
 
 
 def one_partition_pool(pages: int, policy: type[LRUPolicy]) -> PagePool:

@@ -49,8 +49,8 @@ class ShuffledInBulk(LRUPolicy):
         self._rng = random.Random(0)
 
     def victim(self, now: float) -> int:
-        page = self._rng.choice(list(self._order))
-        del self._order[page]
+        page = self._rng.choice(self.order())
+        self.take(page, now, False)
         return page
 
     def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
@@ -70,7 +70,7 @@ class ShuffledInBulkRestored(ShuffledInBulk):
         return [self.victim(now) for _ in range(count)]
 
     def restore(self, pages: list[int]) -> None:
-        self._order.update(dict.fromkeys(pages))
+        self.insert(pages, [0] * len(pages), len(pages), 0.0, None)
 
 
 class PoolMachine(RuleBasedStateMachine):
