@@ -257,7 +257,7 @@ def prompt_keys(
     else:
         keys = [hashlib.blake2b(salt + repr(h).encode(), digest_size=16).digest() for h in hashes]
     try:
-        set(keys)  # hashes every key in C; an unhashable one fails here, before any change
+        hash(tuple(keys))  # hashes every key in C; an unhashable one fails here, before any change
     except TypeError:
         raise InvalidRequest("block_hashes must be integers or strings", "block_hashes") from None
     return keys, n
@@ -912,11 +912,10 @@ class PagePool:
         pages = seq.pages
         home = seq.partition
         batch: list[int] = []
-        depths: list[int] = []
         held = 0  # pages another sequence still holds
+        pinned = self._pinned_pages
         # Tail first, so that in recency order a prompt's head outlives its tail.
-        for depth in range(len(pages) - 1, -1, -1):
-            page = pages[depth]
+        for page in reversed(pages):
             r = ref[page] - 1
             ref[page] = r
             if r:
@@ -928,13 +927,22 @@ class PagePool:
                 self._free.append(page)
                 continue
             klass_of[page] = klass
-            if part[page] == home and not pins[page]:
+            if pinned and pins[page]:
+                continue
+            if part[page] == home:
                 batch.append(page)
-                depths.append(depth)
-            elif not pins[page]:  # a hit on another partition's page goes back to that partition
-                policies[part[page]].insert([page], [depth], seq.published, now, klass)
+            else:  # a hit on another partition's page goes back to that partition
+                policies[part[page]].insert([page], [pages.index(page)], seq.published, now, klass)
         self._in_use -= len(pages) - held
         if batch:
+            # Nearly always the prompt's first pages (its unpublished tail was freed): their depths are
+            # a range, known without a lookup.
+            depths: Sequence[int]
+            if pages[len(batch) - 1] == batch[0]:
+                depths = range(len(batch) - 1, -1, -1)
+            else:
+                depth_of = {page: depth for depth, page in enumerate(pages)}
+                depths = [depth_of[page] for page in batch]
             policies[home].insert(batch, depths, seq.published, now, klass)
             self.model.observe_release(klass, len(batch), now)
         self._alloc_slots -= len(pages) * self.page_size

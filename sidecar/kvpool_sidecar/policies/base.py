@@ -60,7 +60,7 @@ class PolicyContext:
 class EvictionPolicy(Protocol):
     name: str
 
-    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
         """``pages`` became evictable at ``now``, least valuable first (a prompt's tail before its head).
 
         ``depths`` are their indexes in a prompt of ``length`` cached pages, ``klass`` the statistics

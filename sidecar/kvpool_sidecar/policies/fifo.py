@@ -7,7 +7,7 @@ request (or pinned) keeps its place; ``held`` marks the pages that may not be ev
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies.base import PolicyContext
@@ -20,7 +20,7 @@ class FIFOPolicy:
         self._queue: OrderedDict[int, None] = OrderedDict()
         self._held: set[int] = set()
 
-    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
         held = self._held
         queue = self._queue
         # First in is first cached: a prompt's pages are cached head first (at commit), so they queue
@@ -81,7 +81,7 @@ class S3FIFOPolicy:
         self._freq: dict[int, int] = {}
         self._held: set[int] = set()
 
-    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
         for page in pages:
             if page in self._freq:
                 self._held.discard(page)

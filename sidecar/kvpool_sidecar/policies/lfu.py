@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies.base import PolicyContext
@@ -18,7 +18,7 @@ class LFUPolicy:
         self._size = 0
         self._min = 0
 
-    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
         for page in pages:
             count = self._count.setdefault(page, 0)
             bucket = self._buckets.get(count)

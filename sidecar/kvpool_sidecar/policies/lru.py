@@ -41,7 +41,7 @@ class LRUPolicy:
         prev[old] = nxt[old] = NO_PAGE
         self._sentinel = new
 
-    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
         """Link ``pages`` in the given order at the most recent end."""
         if max(pages) >= self._sentinel:
             self._grow(max(pages))
@@ -55,7 +55,7 @@ class LRUPolicy:
         prev[s] = tail
         self._len += len(pages)
 
-    def _unlink(self, page: int) -> None:
+    def take(self, page: int, now: float, hit: bool) -> None:
         prev, nxt = self._prev, self._next
         before, after = prev[page], nxt[page]
         nxt[before] = after
@@ -63,15 +63,12 @@ class LRUPolicy:
         prev[page] = NO_PAGE
         self._len -= 1
 
-    def take(self, page: int, now: float, hit: bool) -> None:
-        self._unlink(page)
-
     def evict(self, page: int) -> None:
-        self._unlink(page)
+        self.take(page, 0.0, False)
 
     def victim(self, now: float) -> int:
         page = self._next[self._sentinel]
-        self._unlink(page)
+        self.take(page, now, False)
         return page
 
     def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:

@@ -248,7 +248,7 @@ class WorkloadAwarePolicy(_Scoring):
         self._queue(klass).push(entry)
         self._dirty.add(klass)
 
-    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
         base = self.alpha * self.model.p_reuse(klass, 0.0) + self.gamma
         beta = self.beta / LOCALITY_LEVELS
         bid = int(now // self.bucket_width)
@@ -521,7 +521,7 @@ class WorkloadAwareExactPolicy(_Scoring):
         tree = ctx.tree
         self._tree = tree if tree is not None else PageTree((), (), ())
 
-    def insert(self, pages: list[int], depths: list[int], length: int, now: float, klass: Hashable) -> None:
+    def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
         for page, depth in zip(pages, depths, strict=True):
             group = (klass, locality_level(depth, length))
             members = self._groups.get(group)
