@@ -24,6 +24,7 @@ from kvpool_sidecar.policies import POLICIES
 from kvpool_sidecar.pool import PagePool, WorkloadMeta
 
 CHAIN = 64
+FILL_SECONDS = 600.0  # the fill's span: one to-C window
 
 
 def filled_pool(policy: str, pages: int, seed: int = 0) -> tuple[PagePool, float]:
@@ -40,7 +41,7 @@ def filled_pool(policy: str, pages: int, seed: int = 0) -> tuple[PagePool, float
     chains = pages // CHAIN
     now = 0.0
     for s in range(chains):
-        now = 600.0 * s / chains
+        now = FILL_SECONDS * s / chains
         meta = WorkloadMeta(request_type=rng.choice(["text", "file", "search"]), turn=rng.randrange(6))
         ids = range(s * CHAIN, (s + 1) * CHAIN)
         pool.admit("fill", block_hashes=list(ids), meta=meta, now=now)
@@ -57,11 +58,14 @@ def filled_pool(policy: str, pages: int, seed: int = 0) -> tuple[PagePool, float
     return pool, now
 
 
-def time_evictions(pool: PagePool, now: float, count: int) -> list[float]:
+def time_evictions(pool: PagePool, now: float, count: int, step: float) -> list[float]:
     """Admit fresh 64-page prompts into the full pool: each admission evicts (at least) 64 pages.
 
     The sample is the admission's time divided by the pages it evicted; the prompt is then committed
-    and released, so the pool stays full and the next admission evicts again.
+    and released, so the pool stays full and the next admission evicts again. Admissions come
+    ``step`` seconds apart, the pace of the fill: a steady state, in which pages age out of their
+    windows (and out of protection) as fast as they came in. (A faster clock would have every
+    admission demote a backlog of expired protected pages that a pool at that pace never has.)
     """
     samples = []
     clock = time.perf_counter_ns
@@ -69,7 +73,7 @@ def time_evictions(pool: PagePool, now: float, count: int) -> list[float]:
     gc.disable()
     try:
         for i in range(count // CHAIN):
-            t = now + 1.0 + i
+            t = now + step * (i + 1)
             ids = list(range(fresh + i * CHAIN, fresh + (i + 1) * CHAIN))
             before = pool.evictions
             start = clock()
@@ -95,7 +99,7 @@ def main() -> None:
         pool, now = filled_pool(name, args.pages)
         if args.evictions > 0:
             count = args.evictions if name != "workload_aware_exact" else min(args.evictions, 4000)
-            samples = sorted(time_evictions(pool, now, count))
+            samples = sorted(time_evictions(pool, now, count, FILL_SECONDS / (args.pages // CHAIN)))
             p99 = samples[int(len(samples) * 0.99) - 1]
             median, mean = statistics.median(samples), statistics.fmean(samples)
             print(f"{name:<22}{median:>10.2f}{p99:>10.2f}{mean:>10.2f}", flush=True)

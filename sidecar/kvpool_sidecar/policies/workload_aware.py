@@ -39,6 +39,7 @@ import math
 from bisect import insort
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
+from heapq import heapify, heappop, heapreplace
 from itertools import islice
 
 from kvpool_sidecar.config import KVCachePolicySpec
@@ -212,7 +213,10 @@ class WorkloadAwarePolicy(_Scoring):
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
         self._queues: dict[Hashable, _ClassQueue] = {}
-        self._entry: dict[int, list] = {}  # evictable page -> its entry
+        # Evictable page -> its entry (None: not evictable), a list indexed by page id: a dict of a
+        # million pages costs seven times the memory and a cache miss more per eviction.
+        self._entry: list[list | None] = [None] * (len(ctx.tree.parent) if ctx.tree is not None else 0)
+        self._count = 0
         self._protected: OrderedDict[int, list] = OrderedDict()  # page -> entry, oldest first
         self._tiebreak = 0
         self._cands: dict[Hashable, tuple] = {}  # class -> its eviction candidate, ranked at _cands_now
@@ -254,9 +258,12 @@ class WorkloadAwarePolicy(_Scoring):
         bid = int(now // self.bucket_width)
         threshold = self._threshold
         entries = self._entry
+        if max(pages) >= len(entries):  # a policy used outside a pool learns its size as it goes
+            entries.extend([None] * (max(pages) + 1 - len(entries)))
         protected = self._protected
         queue = self._queue(klass)
         self._dirty.add(klass)
+        self._count += len(pages)
         for page, depth in zip(pages, depths, strict=True):
             level = locality_level(depth, length)
             score = base + beta * level
@@ -269,7 +276,7 @@ class WorkloadAwarePolicy(_Scoring):
                 protected[page] = entry
             else:
                 queue.push(entry)
-        limit = self.protected_share * len(entries)
+        limit = self.protected_share * self._count
         while len(protected) > limit:
             _, entry = protected.popitem(last=False)
             self._push(entry)
@@ -299,7 +306,11 @@ class WorkloadAwarePolicy(_Scoring):
         self._forget(page)
 
     def _forget(self, page: int) -> None:
-        entry = self._entry.pop(page)
+        entry = self._entry[page]
+        if entry is None:
+            raise KeyError(page)
+        self._entry[page] = None
+        self._count -= 1
         if self._protected.pop(page, None) is not None or self._deferred.pop(page, None) is not None:
             return
         entry[_PAGE] = -1  # lazy deletion from its heap
@@ -308,7 +319,9 @@ class WorkloadAwarePolicy(_Scoring):
         self._dirty.add(klass)
 
     def _candidate(self, queue: _ClassQueue, now: float) -> tuple:
-        entry = queue.front()
+        return self._ranked(queue.front(), now)
+
+    def _ranked(self, entry: list, now: float) -> tuple:
         released = entry[_RELEASED]
         fresh, score = self._base_rank(entry[_KLASS], released, now)
         # (rank..., tiebreak, entry, score without locality): the tiebreak is unique, so tuples
@@ -339,15 +352,17 @@ class WorkloadAwarePolicy(_Scoring):
         dirty = self._dirty
         if now != self._cands_now:
             # Ranks hold while ``now`` does (the model's fit moves between requests, not within one):
-            # re-rank everything once per new ``now``, then only the classes touched since.
+            # re-rank every candidate once per new ``now``, then only the classes touched since. A
+            # class untouched since keeps its candidate page (every change to a queue marks it dirty).
             self._cands_now = now
             self._base.clear()
             self._params.clear()
-            cands.clear()
             self._expire_protection(now)
             if self._deferred:
                 self._recheck_deferred()
-            dirty.update(queues)
+            for klass, cand in cands.items():
+                if klass not in dirty:
+                    cands[klass] = self._ranked(cand[4], now)
         if dirty:
             for klass in dirty:
                 queue = queues.get(klass)
@@ -394,7 +409,7 @@ class WorkloadAwarePolicy(_Scoring):
         first_child = self._tree.first_child
         for page in list(islice(deferred, _RECHECK_PER_CALL)):
             if first_child[page] == NO_PAGE:
-                self._undefer(page)
+                self._dirty.add(self._undefer(page))
             else:
                 deferred[page] = deferred.pop(page)  # to the back of the round
 
@@ -408,7 +423,8 @@ class WorkloadAwarePolicy(_Scoring):
             klass = entry[_KLASS]
             self._queues[klass].pop_front(entry)
             self._dirty.add(klass)
-        del self._entry[page]
+        self._entry[page] = None
+        self._count -= 1
         parent_of = self._tree.parent
         if parent_of:
             parent = parent_of[page]
@@ -433,14 +449,21 @@ class WorkloadAwarePolicy(_Scoring):
         base_ranks = self._base
         named: dict[int, None] = {}  # the pages named so far, in order
         stop = False
+        # The candidates as a heap as well: a victim replaces its class's candidate with the next page
+        # of that class, which mostly stays on top (a sift of one or two comparisons, not a min over
+        # every class). The dict stays the truth: a class undeferred below gets a new candidate there,
+        # and the heap is rebuilt from it.
+        heap = list(cands.values())
+        heapify(heap)
         for _ in range(count):
             while True:
-                if cands:
-                    best = min(cands.values())
+                if heap:
+                    best = heap[0]
                     entry = best[4]
                     klass = entry[_KLASS]
                     after = queues[klass].advance(entry)
                     if after is None:
+                        heappop(heap)
                         del cands[klass]
                     else:  # _candidate, inlined
                         released = after[_RELEASED]
@@ -448,7 +471,10 @@ class WorkloadAwarePolicy(_Scoring):
                             fresh, score = best[0], best[5]
                         else:
                             fresh, score = base_ranks.get((klass, released)) or self._base_rank(klass, released, now)
-                        cands[klass] = (fresh, score + beta_level * after[_LEVEL], released, after[1], after, score)
+                        cands[klass] = cand = (
+                            fresh, score + beta_level * after[_LEVEL], released, after[1], after, score
+                        )
+                        heapreplace(heap, cand)
                 elif protected:
                     entry = protected.popitem(last=False)[1]
                 else:  # the unreachable fallback of _best: the pool evicts the page's subtree with it
@@ -467,14 +493,17 @@ class WorkloadAwarePolicy(_Scoring):
                 deferred[page] = entry
             page = entry[_PAGE]
             named[page] = None
-            del entries[page]
+            entries[page] = None
             if deferred:
                 parent = parent_of[page]
                 if parent in deferred and not has_unnamed_child(parent, links, named):
                     klass = self._undefer(parent)
                     cands[klass] = self._candidate(queues[klass], now)
+                    heap = list(cands.values())
+                    heapify(heap)
             if stop:
                 break
+        self._count -= len(named)
         return list(named)
 
     def _expire_protection(self, now: float) -> None:
@@ -486,7 +515,6 @@ class WorkloadAwarePolicy(_Scoring):
         """
         protected = self._protected
         base_ranks = self._base
-        queues = self._queues
         for _ in range(min(_DEMOTE_PER_CALL, len(protected))):
             page, entry = protected.popitem(last=False)
             klass = entry[_KLASS]
@@ -496,13 +524,13 @@ class WorkloadAwarePolicy(_Scoring):
                 protected[page] = entry  # still in the top share: back in front, and so is the rest
                 protected.move_to_end(page, last=False)
                 return
-            (queues.get(klass) or self._queue(klass)).push(entry)  # its caller re-ranks every class
+            self._push(entry)
 
     def __len__(self) -> int:
-        return len(self._entry)
+        return self._count
 
     def __contains__(self, page: int) -> bool:
-        return page in self._entry
+        return 0 <= page < len(self._entry) and self._entry[page] is not None
 
 
 class WorkloadAwareExactPolicy(_Scoring):
