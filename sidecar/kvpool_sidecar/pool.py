@@ -92,6 +92,11 @@ class PoolExhausted(PoolError):
 
 
 # ------------------------------------------------------------------------------------------ requests
+def turn_bucket(turn: int) -> int:
+    """Turns 0, 1, 2, 3-4, 5+ (see :attr:`WorkloadMeta.class_key`)."""
+    return _TURN_BUCKETS[min(turn, 5)]
+
+
 @dataclass(frozen=True, slots=True)
 class WorkloadMeta:
     """What the engine knows about a request; drives partitioning, salting and the reuse statistics."""
@@ -109,7 +114,7 @@ class WorkloadMeta:
         Turns are bucketed 0, 1, 2, 3-4, 5+: on the Mooncake chat trace the chance that a page is
         reused rises from 0.28 on a first turn to 0.70 from the fifth turn on.
         """
-        return (self.workload_class, self.request_type, _TURN_BUCKETS[min(self.turn, 5)])
+        return (self.workload_class, self.request_type, turn_bucket(self.turn))
 
 
 DEFAULT_META = WorkloadMeta()
@@ -253,7 +258,7 @@ def prompt_keys(
         raise InvalidRequest(f"num_tokens={n} does not fit {len(block_hashes)} blocks of {ps} tokens", "num_tokens")
     hashes = block_hashes[: n // ps]
     if salt is None:
-        keys = list(hashes)
+        keys = hashes if type(hashes) is list else list(hashes)  # a list's slice is a copy already
     else:
         keys = [hashlib.blake2b(salt + repr(h).encode(), digest_size=16).digest() for h in hashes]
     try:
@@ -395,10 +400,11 @@ class PagePool:
     def class_of(self, meta: WorkloadMeta) -> Hashable:
         """The statistics class of a request: ``meta.class_key`` less what ``learning.classBy`` leaves out."""
         by_type, by_turn = self._class_by
-        if by_type and by_turn:
-            return meta.class_key
-        wclass, rtype, turn = meta.class_key
-        return (wclass, rtype if by_type else "", turn if by_turn else 0)
+        return (
+            meta.workload_class,
+            meta.request_type if by_type else "",
+            turn_bucket(meta.turn) if by_turn else 0,
+        )
 
     def partition_of(self, meta: WorkloadMeta) -> int:
         # With no to-B share there is one shared partition.
@@ -558,8 +564,9 @@ class PagePool:
         else:
             evicted = len(pages)
         self.evictions += evicted
-        self._count_evictions(part, "expired", expired)
-        self._count_evictions(part, "capacity", evicted - expired)
+        if evicted:
+            self._count_evictions(part, "expired", expired)
+            self._count_evictions(part, "capacity", evicted - expired)
         if ghost is not None and len(ghost) > self._ghost_cap:
             self._trim_ghost(now)
         return pages
@@ -916,11 +923,11 @@ class PagePool:
         pinned = self._pinned_pages
         # Tail first, so that in recency order a prompt's head outlives its tail.
         for page in reversed(pages):
-            r = ref[page] - 1
-            ref[page] = r
-            if r:
+            if ref[page] != 1:
+                ref[page] -= 1
                 held += 1
                 continue
+            ref[page] = 0
             last[page] = now
             if key[page] is None:
                 self._owned[part[page]] -= 1
