@@ -456,14 +456,18 @@ class PagePool:
             return evictable[part]
         return evictable[part] + min(headroom, len(self._free) + evictable[1 - part])
 
-    def _obtainable_at_least(self, part: int, excluded: int) -> int:
-        """A lower bound of :meth:`_obtainable` without looking at the excluded pages (each makes at
-        most one page of one partition unevictable): enough for the admission check of a big pool."""
-        headroom = self._caps[part] - self._owned[part]
+    def _surely_obtainable(self, part: int, need: int, excluded: int) -> bool:
+        """Whether ``need`` pages are obtainable by a lower bound of :meth:`_obtainable` that does not
+        look at the excluded pages (each makes at most one page of one partition unevictable): enough
+        for the admission check of a big pool, and mostly decided by the partition's own pages."""
         own = len(self._policies[part]) - excluded
+        if own >= need:
+            return True
+        headroom = self._caps[part] - self._owned[part]
         if headroom <= 0:
-            return own
-        return max(own, 0) + min(headroom, len(self._free) + max(len(self._policies[1 - part]) - excluded, 0))
+            return False
+        other = max(len(self._policies[1 - part]) - excluded, 0)
+        return max(own, 0) + min(headroom, len(self._free) + other) >= need
 
     def _allocate(self, part: int, count: int, now: float) -> list[int]:
         """Hand out ``count`` pages to ``part``; the caller checked :meth:`_obtainable` first.
@@ -701,7 +705,7 @@ class PagePool:
         hits = self._cached_prefix(keys)
         need = -(-n // ps) - len(hits)
         part = 1 if meta.workload_class == TO_B and self._caps[1] > 0 else 0  # partition_of, inlined
-        if need > 0 and need > self._obtainable_at_least(part, len(hits)):
+        if need > 0 and not self._surely_obtainable(part, need, len(hits)):
             obtainable = self._obtainable(part, hits)
             if need > obtainable:
                 raise PoolExhausted(need, obtainable, _PARTITIONS[part])
