@@ -1201,6 +1201,9 @@ class PagePool:
         assert owned == self._owned, f"I7: partition ownership {self._owned} != {owned}"
         for i in range(len(_PARTITIONS)):
             assert len(self._policies[i]) <= owned[i], "I5: a policy holds more pages than its partition"
+            own_check = getattr(self._policies[i], "check", None)  # a policy's own structure, if it has one
+            if own_check is not None:
+                own_check()
         for page in range(n):
             child = self._first_child[page]
             while child != NO_PAGE:

@@ -214,6 +214,17 @@ def test_lru_reinserts_at_the_tail_and_fifo_does_not():
     assert drain(fifo) == [1, 2]
 
 
+def test_lru_ring_check_finds_a_broken_link():
+    policy = make_policy("lru", ctx())
+    policy.insert([5, 3, 9, 1], [3, 2, 1, 0], 4, 0.0, CHAT)
+    policy.take(3, 1.0, True)
+    policy.check()  # type: ignore[attr-defined]
+    assert policy.order() == [5, 9, 1]  # type: ignore[attr-defined]
+    policy._next[5] = 1  # type: ignore[attr-defined]  # skips page 9
+    with pytest.raises(AssertionError, match="links back"):
+        policy.check()  # type: ignore[attr-defined]
+
+
 def test_fifo_queues_a_prompt_head_first():
     fifo = make_policy("fifo", ctx())
     fifo.insert([12, 11, 10], [2, 1, 0], 3, 0.0, CHAT)  # the pool releases tails first

@@ -121,6 +121,22 @@ class LRUPolicy:
             page = nxt[page]
         return pages
 
+    def check(self) -> None:
+        """The ring is whole: walking it forward meets every linked page once, each page's ``prev``
+        is the page before it, and the walk counts ``len(self)`` pages (for invariant checks; O(n))."""
+        prev, nxt, s = self._prev, self._next, self._sentinel
+        page, count = s, 0
+        while nxt[page] != s:
+            after = nxt[page]
+            assert prev[after] == page, f"LRU ring: page {after} links back to {prev[after]}, not {page}"
+            page = after
+            count += 1
+            assert count <= self._len, "LRU ring: more pages linked than counted"
+        assert prev[s] == page, "LRU ring: the sentinel's prev is not the last page"
+        assert count == self._len, f"LRU ring: {count} pages linked, {self._len} counted"
+        members = sum(1 for p in range(s) if prev[p] != NO_PAGE)
+        assert members == count, f"LRU ring: {members} pages marked as linked, {count} on the ring"
+
     def __len__(self) -> int:
         return self._len
 
