@@ -13,6 +13,9 @@ in order, the victims named after one (LRU does: under LRU a victim's descendant
 before it, so it names without looking). The workload-aware policy reads the tree from its context
 (:class:`PageTree`) and passes over a page with cached descendants until they are gone: ranking
 pages of different classes, it would otherwise cut whole subtrees (every chat under a system prompt).
+
+A policy may offer ``check()``, which asserts the consistency of its own structure; the pool's
+``check_invariants`` calls it (LRU checks its linked ring).
 """
 
 from __future__ import annotations
