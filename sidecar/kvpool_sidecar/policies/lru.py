@@ -23,7 +23,9 @@ class LRUPolicy:
     def __init__(self, ctx: PolicyContext | None = None) -> None:
         self._prev: list[int] = [0]
         self._next: list[int] = [0]
-        self._sentinel = 0  # always the last slot; moved up when a page id reaches it
+        # Always the last slot; moved up when a page id reaches it. Grown on demand rather than sized
+        # to the pool: a partition's policy then holds room for the page ids it has seen, not for all.
+        self._sentinel = 0
         self._len = 0
 
     def _grow(self, top: int) -> None:
@@ -41,19 +43,23 @@ class LRUPolicy:
         prev[old] = nxt[old] = NO_PAGE
         self._sentinel = new
 
-    def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
-        """Link ``pages`` in the given order at the most recent end."""
+    def _splice(self, pages: list[int], at_front: bool) -> None:
+        """Link ``pages``, in their order, at the least recent end (``at_front``) or the most recent."""
         if max(pages) >= self._sentinel:
             self._grow(max(pages))
         prev, nxt, s = self._prev, self._next, self._sentinel
-        tail = prev[s]
+        before, after = (s, nxt[s]) if at_front else (prev[s], s)
         for page in pages:
-            nxt[tail] = page
-            prev[page] = tail
-            tail = page
-        nxt[tail] = s
-        prev[s] = tail
+            nxt[before] = page
+            prev[page] = before
+            before = page
+        nxt[before] = after
+        prev[after] = before
         self._len += len(pages)
+
+    def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
+        """Link ``pages`` in the given order at the most recent end."""
+        self._splice(pages, False)
 
     def take(self, page: int, now: float, hit: bool) -> None:
         prev, nxt = self._prev, self._next
@@ -90,18 +96,7 @@ class LRUPolicy:
 
     def restore(self, pages: list[int]) -> None:
         """Victims the pool did not take go back to the front, least recent first."""
-        if max(pages) >= self._sentinel:
-            self._grow(max(pages))
-        prev, nxt, s = self._prev, self._next, self._sentinel
-        head = nxt[s]
-        before = s
-        for page in pages:
-            nxt[before] = page
-            prev[page] = before
-            before = page
-        nxt[before] = head
-        prev[head] = before
-        self._len += len(pages)
+        self._splice(pages, True)
 
     def peek(self, now: float) -> int:
         if not self._len:

@@ -214,8 +214,9 @@ class WorkloadAwarePolicy(_Scoring):
         super().__init__(ctx)
         self._queues: dict[Hashable, _ClassQueue] = {}
         # Evictable page -> its entry (None: not evictable), a list indexed by page id: a dict of a
-        # million pages costs seven times the memory and a cache miss more per eviction.
-        self._entry: list[list | None] = [None] * (len(ctx.tree.parent) if ctx.tree is not None else 0)
+        # million pages costs seven times the memory and a cache miss more per eviction. Grown to the
+        # page ids the partition has seen, not sized to the pool.
+        self._entry: list[list | None] = []
         self._count = 0
         self._protected: OrderedDict[int, list] = OrderedDict()  # page -> entry, oldest first
         self._tiebreak = 0
@@ -306,7 +307,7 @@ class WorkloadAwarePolicy(_Scoring):
         self._forget(page)
 
     def _forget(self, page: int) -> None:
-        entry = self._entry[page]
+        entry = self._entry[page] if page < len(self._entry) else None
         if entry is None:
             raise KeyError(page)
         self._entry[page] = None
