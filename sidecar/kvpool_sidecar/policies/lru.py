@@ -13,9 +13,9 @@ class LRUPolicy:
     sentinel slot past the last page: the least recent page follows the sentinel, the most recent
     precedes it.
 
-    Linking a page is a few list stores, with no allocation: an ``OrderedDict`` costs three to four
-    times as much per page inserted and evicted, and five times the memory. ``prev`` of a page
-    outside the list is ``NO_PAGE`` (membership without a set).
+    Linking a page is a few list stores, with no allocation: an ``OrderedDict`` cost three to four
+    times as much per page inserted and evicted, and the pool 64 more bytes per cached page.
+    ``prev`` of a page outside the list is ``NO_PAGE`` (membership without a set).
     """
 
     name = "lru"
