@@ -159,7 +159,7 @@ class Learning(_Model):
         description="what splits a workload class into statistics classes (empty: one fit per workload class)",
     )
     coldStartPeriod: str = Field(default="168h", pattern=DURATION_PATTERN)
-    minSamples: int = Field(default=200, ge=1, description="reuses a class needs before its own fit is used")
+    minSamples: int = Field(default=5000, ge=1, description="reuses a class needs before its own fit is used")
     driftThresholdPercent: float = Field(default=20, gt=0, le=1000)
     refitOnDrift: bool = True
 

@@ -37,11 +37,15 @@ TO_C = "toC"
 TO_B = "toB"
 DEFAULT_TENANT = "default"
 # The ghost remembers one evicted key in GHOST_SAMPLE (by the key's hash, so that a reuse is looked
-# for on the keys that were remembered) and each stands for GHOST_SAMPLE pages: its pages / GHOST_SAMPLE
-# keys cover as much history as one key per page did, at a quarter of the memory and of the cost per
-# eviction (a dict operation on a ghost of a million keys is mostly cache misses).
-GHOST_SAMPLE = 4
+# for on the keys that were remembered) and each stands for GHOST_SAMPLE pages. It keeps a key for as
+# long as the longest class window (the model predicts reuse within a window, so it has to see gaps
+# that long: at 1 % of the to-C trace a page lives 12 s in the pool, a chat's next turn comes after
+# 400 s) and at most GHOST_KEYS_PER_PAGE keys per pool page (memory). A page evicted without its key
+# remembered is never reported again: its sampled siblings stand for it, so in expectation eviction
+# leaves the model's count of pages waiting for a reuse (at risk) unchanged.
+GHOST_SAMPLE = 16
 _GHOST_MASK = GHOST_SAMPLE - 1
+GHOST_KEYS_PER_PAGE = 1  # a quarter of that lost to-C 1 % (0.1285 against 0.1315)
 _PARTITIONS = (TO_C, TO_B)
 PREFIX_RATE_WINDOW = 10.0  # seconds over which a prefix's QPS is measured (auto-pin by QPS)
 _MAX_TRACKED_PREFIXES = 65_536  # prefix rates kept before the cold ones are pruned
@@ -348,9 +352,12 @@ class PagePool:
     def _apply(self, spec: KVCachePolicySpec) -> None:
         n = self.total_pages
         uses_model = any(getattr(p, "uses_model", False) for p in self._policies)
-        self._ghost_cap = max(1, n // GHOST_SAMPLE) if uses_model else 0
+        self._ghost_cap = max(1, n * GHOST_KEYS_PER_PAGE) if uses_model else 0
         if not self._ghost_cap:
             self._ghost.clear()
+        if self.model.track_at_risk and not uses_model:
+            self.model.reset_at_risk()  # the ghost that would report them is gone
+        self.model.track_at_risk = uses_model  # every page's way out is reported (see release)
         to_b = int(n * spec.workloads.toB.isolationPercent / 100)
         self._caps = [n - to_b, to_b]
         self.pin_quota = int(n * spec.pinning.quotaPercent / 100)
@@ -358,6 +365,7 @@ class PagePool:
         self._shared_first = frozenset(spec.tenancy.sharedPrefixes)
         self._autopin = spec.pinning.autoPin
         self._windows = {TO_C: spec.workloads.toC.window_seconds, TO_B: spec.workloads.toB.window_seconds}
+        self._ghost_horizon = max(self._windows.values())
         self._class_by = (("requestType" in spec.learning.classBy), ("turn" in spec.learning.classBy))
         self.spec = spec
 
@@ -571,17 +579,20 @@ class PagePool:
         if evicted:
             self._count_evictions(part, "expired", expired)
             self._count_evictions(part, "capacity", evicted - expired)
-        if ghost is not None and len(ghost) > self._ghost_cap:
+        if ghost and (len(ghost) > self._ghost_cap or next(iter(ghost.values()))[1] < now - self._ghost_horizon):
             self._trim_ghost(now)
         return pages
 
     def _trim_ghost(self, now: float) -> None:
-        """Forget the oldest evicted keys over the cap: each is a page seen not reused for as long as it
-        was remembered, which the reuse model needs as much as the reuses (censored observations)."""
+        """Forget the evicted keys older than the horizon or over the cap, oldest first: each is a page
+        seen not reused for as long as it was remembered, which the reuse model needs as much as the
+        reuses (censored observations)."""
         ghost = self._ghost
         pop = ghost.popitem
         censored: dict[Hashable, list[float]] = {}
-        for _ in range(len(ghost) - self._ghost_cap):
+        cap = self._ghost_cap
+        oldest = now - self._ghost_horizon
+        while ghost and (len(ghost) > cap or next(iter(ghost.values()))[1] < oldest):
             klass, released = pop(last=False)[1]
             acc = censored.get(klass)
             if acc is None:
@@ -924,6 +935,7 @@ class PagePool:
         home = seq.partition
         batch: list[int] = []
         held = 0  # pages another sequence still holds
+        freed = 0  # pages never published: freed, not cached
         pinned = self._pinned_pages
         # Tail first, so that in recency order a prompt's head outlives its tail.
         for page in reversed(pages):
@@ -936,6 +948,7 @@ class PagePool:
             if key[page] is None:
                 self._owned[part[page]] -= 1
                 self._free.append(page)
+                freed += 1
                 continue
             klass_of[page] = klass
             if pinned and pins[page]:
@@ -955,7 +968,11 @@ class PagePool:
                 depth_of = {page: depth for depth, page in enumerate(pages)}
                 depths = [depth_of[page] for page in batch]
             policies[home].insert(batch, depths, seq.published, now, klass)
-            self.model.observe_release(klass, len(batch), now)
+        cached = len(pages) - held - freed
+        if cached:
+            # Every cached page, pinned or in the other partition too: each is reported again when it
+            # is reused or forgotten, and the model counts those still waiting (at risk).
+            self.model.observe_release(klass, cached, now)
         self._alloc_slots -= len(pages) * self.page_size
         self._used_slots -= seq.num_tokens
 

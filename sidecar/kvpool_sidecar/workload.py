@@ -13,6 +13,9 @@ workload) and shrunk towards the configured priors until ``minSamples`` reuses h
 The pool reports reuses (with their gaps) and, where it keeps a ghost of evicted keys, the pages it
 forgot unreused after so many seconds: censored observations, taken in by EM (:func:`_em_step`).
 Without them a small cache, which sees only the short gaps, would fit a fast decay to every class.
+A pool that reports every page's way out (reused, or forgotten by its ghost) also lets the model count
+the pages still waiting (``track_at_risk``): censored at their current age, so that a ghost that
+watches pages for a whole window does not make every class look always reused meanwhile.
 Plain Python: no I/O, no clock of its own.
 """
 
@@ -43,6 +46,10 @@ class ClassFit:
     censored: float = 0.0  # pages forgotten unreused (their ghost key dropped): censored observations
     exposure: float = 0.0  # seconds those pages were watched for a reuse, summed
     em: tuple[float, float] | None = None  # the last (p, rate) of the censored fit: its next start
+    # The pages released and not yet resolved (neither reused nor forgotten): cached or remembered by
+    # the ghost. Not decayed: the set as it is now. Censored at their current age in the fit.
+    at_risk: float = 0.0
+    at_risk_released: float = 0.0  # their release times, summed
     total_reuses: int = 0  # undecayed, for cold start and drift checks
     updated_at: float = 0.0
     reference_rate: float | None = None
@@ -84,6 +91,9 @@ class ReuseModel:
         self.drift_events: list[DriftEvent] = []
         self.on_drift: Callable[[DriftEvent], None] | None = None
         self.on_reuse: Callable[[ClassKey, int, float], None] | None = None  # (class, pages, summed gaps)
+        # Set by a pool that reports every page's way out (reused, or forgotten by its ghost): the
+        # fit then counts the pages still waiting as censored at their age (see _em_step).
+        self.track_at_risk = False
         self.configure(spec)
 
     def configure(self, spec: KVCachePolicySpec) -> None:
@@ -135,6 +145,21 @@ class ReuseModel:
             if now > fit.updated_at:
                 self._age(fit, now)
             fit.releases += pages
+            if self.track_at_risk:
+                fit.at_risk += pages
+                fit.at_risk_released += pages * now
+
+    def reset_at_risk(self) -> None:
+        """Forget the pages waiting: whoever would have reported their outcome no longer will."""
+        for fit in self._fits.values():
+            fit.at_risk = fit.at_risk_released = 0.0
+
+    @staticmethod
+    def _leave_risk(fit: ClassFit, pages: float, released_sum: float) -> None:
+        fit.at_risk -= pages
+        fit.at_risk_released -= released_sum
+        if fit.at_risk <= 0.0:  # sampled reports overshoot a little: the set is empty, not negative
+            fit.at_risk = fit.at_risk_released = 0.0
 
     def observe_censored(self, klass: ClassKey, pages: float, exposure: float, now: float) -> None:
         """``pages`` released pages were watched for ``exposure`` seconds in all and not reused.
@@ -149,13 +174,21 @@ class ReuseModel:
                 self._age(fit, now)
             fit.censored += pages
             fit.exposure += exposure
+            if self.track_at_risk:
+                self._leave_risk(fit, pages, pages * now - exposure)
+        self._em(fits, parent, now)
+
+    def _em(self, fits: tuple[ClassFit, ...], parent: ClassFit, now: float) -> None:
         k = float(self.min_samples)
         for fit in fits:
             if fit is parent:
                 prior_p, prior_rate = PRIOR_REUSE_PROBABILITY, self._prior_for(fit.klass)
             else:
                 prior_p, prior_rate, _ = self.params(parent.klass)
-            fit.em = _em_step(fit, k, prior_p, prior_rate)
+            if fit.censored + fit.at_risk <= 0.0:
+                continue  # nothing seen unreused yet: the plain estimate stands
+            waited = fit.at_risk * now - fit.at_risk_released
+            fit.em = _em_step(fit, k, prior_p, prior_rate, fit.at_risk, max(waited, 0.0))
 
     def observe_reuse(self, klass: ClassKey, pages: int, gap_sum: float, now: float) -> None:
         """``pages`` cached pages were reused; ``gap_sum`` is their summed time since last release."""
@@ -164,11 +197,14 @@ class ReuseModel:
         if self.on_reuse is not None:
             self.on_reuse(klass, pages, gap_sum)
         gap = gap_sum if gap_sum > 0.0 else 0.0
-        for fit in self._pairs.get(klass) or self._fit_pair(klass):
+        pair = self._pairs.get(klass) or self._fit_pair(klass)
+        for fit in pair:
             if now > fit.updated_at:
                 self._age(fit, now)
             fit.reuses += pages
             fit.gap_sum += gap
+            if self.track_at_risk:
+                self._leave_risk(fit, pages, pages * now - gap)
             fit.total_reuses += pages
             fit.since_check += pages
             if fit.first_reuse_at is None:
@@ -178,6 +214,9 @@ class ReuseModel:
             ):
                 fit.since_check = 0
                 self._check_drift(fit, now)
+        if self.track_at_risk:  # every report moves the fit one step (the pages waiting are known)
+            own, parent = pair
+            self._em((parent, own) if own is not parent else (own,), parent, now)
 
     # --------------------------------------------------------------------------------- the fit
     def _weight(self, fit: ClassFit) -> float:
@@ -299,7 +338,9 @@ class DecayedCounter:
         return len(self._value)
 
 
-def _em_step(fit: ClassFit, k: float, prior_p: float, prior_rate: float) -> tuple[float, float]:
+def _em_step(
+    fit: ClassFit, k: float, prior_p: float, prior_rate: float, waiting: float = 0.0, waited: float = 0.0
+) -> tuple[float, float]:
     """One EM step of the (p, rate) fit with censored observations, shrunk by ``k`` pseudo-reuses.
 
     A page forgotten after ``c`` seconds unreused is either never reused or reused later than ``c``;
@@ -309,9 +350,15 @@ def _em_step(fit: ClassFit, k: float, prior_p: float, prior_rate: float) -> tupl
     gaps seen cannot show a decay, and the fit moves towards "likely reused, at the rate observed per
     watched second" instead of a fast decay fitted to truncated gaps (the plain estimate, reuses over
     summed gaps, takes every gap it sees for a whole gap).
+
+    ``waiting`` pages released and not resolved yet (cached unreused, or still in the ghost) have
+    waited ``waited`` seconds in all: censored at their current age too. Without them a ghost that
+    watches pages for a whole window reports its reuses minutes before it reports a single page
+    forgotten, and the fit takes every class for one that is always reused.
     """
-    reuses, gaps, censored = fit.reuses, fit.gap_sum, fit.censored
-    watched = fit.exposure / censored
+    reuses, gaps = fit.reuses, fit.gap_sum
+    censored = fit.censored + waiting
+    watched = (fit.exposure + waited) / censored
     if fit.em is None:  # start from the plain estimate
         p = (reuses + k * prior_p) / (reuses + censored + k)
         lam = (reuses + k) / (gaps + k / prior_rate)
