@@ -21,7 +21,7 @@ import time
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies import POLICIES
-from kvpool_sidecar.pool import PagePool, WorkloadMeta
+from kvpool_sidecar.pool import GHOST_SAMPLE, PagePool, WorkloadMeta
 
 CHAIN = 64
 FILL_SECONDS = 600.0  # the fill's span: one to-C window
@@ -50,12 +50,17 @@ def filled_pool(policy: str, pages: int, seed: int = 0) -> tuple[PagePool, float
         if s % 50 == 0:  # some reuse, so that the fits and frequencies have something to learn
             pool.admit("hit", block_hashes=list(range(s * CHAIN, s * CHAIN + 8)), meta=meta, now=now)
             pool.release("hit", now=now)
-    # A pool that has run a while has a full ghost of evicted keys (policies that learn from late
-    # reuses): evictions then also forget old keys, as in a steady state.
-    klass = pool.class_of(WorkloadMeta())
-    for i in range(pool._ghost_cap):
-        pool._ghost[("forgotten", i)] = (klass, 0.0)
-    return pool, now, FILL_SECONDS / chains  # the fill's pace: seconds per admitted chain
+    # A pool that has run a while has a ghost of evicted keys (policies that learn from late reuses)
+    # as its pace fills it: the sampled keys of the pages evicted within the ghost's horizon (one pool
+    # per FILL_SECONDS), released evenly over it; evictions then also forget keys as they age out.
+    step = FILL_SECONDS / chains  # the fill's pace: seconds per admitted chain
+    if pool._ghost_cap:
+        klass = pool.class_of(WorkloadMeta())
+        horizon = pool._ghost_horizon
+        keys = min(pool._ghost_cap, int(pages * horizon / FILL_SECONDS) // GHOST_SAMPLE)
+        for i in range(keys):
+            pool._ghost[("forgotten", i)] = (klass, now - horizon + horizon * i / keys)
+    return pool, now, step
 
 
 def time_evictions(pool: PagePool, now: float, count: int, step: float) -> list[float]:
