@@ -580,14 +580,14 @@ class PagePool:
         if evicted:
             self._count_evictions(part, "expired", expired)
             self._count_evictions(part, "capacity", evicted - expired)
-        if ghost and (len(ghost) > self._ghost_cap or next(iter(ghost.values()))[1] < now - self._ghost_horizon):
+        if ghost:
             self._trim_ghost(now)
         return pages
 
     def _trim_ghost(self, now: float) -> None:
-        """Forget the evicted keys older than the horizon or over the cap, oldest first: each is a page
-        seen not reused for as long as it was remembered, which the reuse model needs as much as the
-        reuses (censored observations)."""
+        """Forget the evicted keys older than the horizon or over the cap, oldest first (mostly none):
+        each is a page seen not reused for as long as it was remembered, which the reuse model needs
+        as much as the reuses (censored observations)."""
         ghost = self._ghost
         pop = ghost.popitem
         censored: dict[Hashable, list[float]] = {}

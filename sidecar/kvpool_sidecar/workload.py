@@ -187,8 +187,7 @@ class ReuseModel:
                 prior_p, prior_rate, _ = self.params(parent.klass)
             if fit.censored + fit.at_risk <= 0.0:
                 continue  # nothing seen unreused yet: the plain estimate stands
-            waited = fit.at_risk * now - fit.at_risk_released
-            fit.em = _em_step(fit, k, prior_p, prior_rate, fit.at_risk, max(waited, 0.0))
+            fit.em = _em_step(fit, k, prior_p, prior_rate, now)
 
     def observe_reuse(self, klass: ClassKey, pages: int, gap_sum: float, now: float) -> None:
         """``pages`` cached pages were reused; ``gap_sum`` is their summed time since last release."""
@@ -338,9 +337,7 @@ class DecayedCounter:
         return len(self._value)
 
 
-def _em_step(
-    fit: ClassFit, k: float, prior_p: float, prior_rate: float, waiting: float = 0.0, waited: float = 0.0
-) -> tuple[float, float]:
+def _em_step(fit: ClassFit, k: float, prior_p: float, prior_rate: float, now: float) -> tuple[float, float]:
     """One EM step of the (p, rate) fit with censored observations, shrunk by ``k`` pseudo-reuses.
 
     A page forgotten after ``c`` seconds unreused is either never reused or reused later than ``c``;
@@ -351,13 +348,14 @@ def _em_step(
     watched second" instead of a fast decay fitted to truncated gaps (the plain estimate, reuses over
     summed gaps, takes every gap it sees for a whole gap).
 
-    ``waiting`` pages released and not resolved yet (cached unreused, or still in the ghost) have
-    waited ``waited`` seconds in all: censored at their current age too. Without them a ghost that
-    watches pages for a whole window reports its reuses minutes before it reports a single page
-    forgotten, and the fit takes every class for one that is always reused.
+    The pages released and not resolved yet (``fit.at_risk``: cached unreused, or still in the
+    ghost) are censored at their age at ``now`` too. Without them a ghost that watches pages for a
+    whole window reports its reuses minutes before it reports a single page forgotten, and the fit
+    takes every class for one that is always reused.
     """
     reuses, gaps = fit.reuses, fit.gap_sum
-    censored = fit.censored + waiting
+    censored = fit.censored + fit.at_risk
+    waited = max(fit.at_risk * now - fit.at_risk_released, 0.0)
     watched = (fit.exposure + waited) / censored
     if fit.em is None:  # start from the plain estimate
         p = (reuses + k * prior_p) / (reuses + censored + k)
