@@ -194,7 +194,12 @@ class _ClassQueue:
                 fifo.popleft()
             if fifo:
                 return fifo[0]
-        elif live:
+            return self.front()
+        return self.settle(bid, live)
+
+    def settle(self, bid: int, live: int) -> list | None:
+        """The next front once bucket ``bid`` holds ``live`` pages, fewer than a merge leaves alone."""
+        if live:
             self.live[bid] = live
         else:
             self._drop_bucket(bid)
@@ -450,60 +455,106 @@ class WorkloadAwarePolicy(_Scoring):
         base_ranks = self._base
         named: dict[int, None] = {}  # the pages named so far, in order
         stop = False
-        # The candidates as a heap as well: a victim replaces its class's candidate with the next page
-        # of that class, which mostly stays on top (a sift of one or two comparisons, not a min over
-        # every class). The dict stays the truth: a class undeferred below gets a new candidate there,
-        # and the heap is rebuilt from it.
+        # The candidates as a heap: a victim replaces its class's candidate with the next page of that
+        # class, which mostly stays on top (a sift of one or two comparisons, not a min over every
+        # class). The heap is the truth during the call; ``cands`` is brought back in line from it
+        # when a class is undeferred (rare) and at the end.
         heap = list(cands.values())
         heapify(heap)
-        for _ in range(count):
-            while True:
-                if heap:
-                    best = heap[0]
-                    entry = best[4]
-                    klass = entry[_KLASS]
-                    after = queues[klass].advance(entry)
+        base_rank = self._base_rank
+        remaining = count
+        while remaining > 0 and not stop:
+            undefer = NO_PAGE  # a deferred parent whose last child this run named
+            if heap:
+                # A run: pages of the best class, taken in its queue's order while the next one still
+                # ranks below every other class's candidate (no heap operation, no rank tuple).
+                best = heap[0]
+                n = len(heap)
+                second = (heap[1] if n == 2 or heap[1] < heap[2] else heap[2]) if n > 1 else None
+                second_fresh, second_rank = (second[0], second[1]) if second is not None else (True, math.inf)
+                entry = best[4]
+                klass = entry[_KLASS]
+                queue = queues[klass]
+                buckets, lives = queue.buckets, queue.live
+                fresh, score, released = best[0], best[5], best[2]
+                while True:
+                    # queue.advance(entry), its usual case inlined: the next page of the same level
+                    bid = entry[_BID]
+                    fifo = buckets[bid][entry[_LEVEL]]
+                    fifo.popleft()
+                    live = lives[bid] - 1
+                    if live >= MERGE_BELOW:
+                        lives[bid] = live
+                        while fifo and fifo[0][_PAGE] < 0:
+                            fifo.popleft()
+                        after = fifo[0] if fifo else queue.front()
+                    else:
+                        after = queue.settle(bid, live)
+                    page = entry[_PAGE]
+                    child = first_child[page]
+                    if (
+                        child == NO_PAGE  # a leaf, or the page before the last one named in its chain
+                        or (child in named and next_sib[child] == NO_PAGE)
+                        or not has_unnamed_child(page, links, named)
+                    ):
+                        named[page] = None
+                        entries[page] = None
+                        remaining -= 1
+                        if deferred:
+                            parent = parent_of[page]
+                            if parent in deferred and not has_unnamed_child(parent, links, named):
+                                undefer = parent
+                    elif not parent_of:  # no tree to follow (a policy used outside a pool): name it, stop
+                        named[page] = None
+                        entries[page] = None
+                        stop = True
+                    else:
+                        deferred[page] = entry  # back once its descendants are gone
                     if after is None:
                         heappop(heap)
-                        del cands[klass]
-                    else:  # _candidate, inlined
+                        break
+                    if after[_RELEASED] != released:
                         released = after[_RELEASED]
-                        if released == best[2]:
-                            fresh, score = best[0], best[5]
-                        else:
-                            fresh, score = base_ranks.get((klass, released)) or self._base_rank(klass, released, now)
-                        cands[klass] = cand = (
-                            fresh, score + beta_level * after[_LEVEL], released, after[1], after, score
-                        )
-                        heapreplace(heap, cand)
-                elif protected:
+                        fresh, score = base_ranks.get((klass, released)) or base_rank(klass, released, now)
+                    rank = score + beta_level * after[_LEVEL]
+                    if (
+                        remaining <= 0
+                        or stop
+                        or undefer != NO_PAGE
+                        or (fresh == second_fresh and rank >= second_rank)
+                        or fresh > second_fresh
+                    ):
+                        heapreplace(heap, (fresh, rank, released, after[1], after, score))
+                        break
+                    entry = after
+            else:
+                if protected:
                     entry = protected.popitem(last=False)[1]
                 else:  # the unreachable fallback of _best: the pool evicts the page's subtree with it
                     entry = deferred.pop(next(iter(deferred)))
                     stop = True
-                    break
                 page = entry[_PAGE]
-                child = first_child[page]
-                if child == NO_PAGE or (child in named and next_sib[child] == NO_PAGE):
-                    break  # a leaf, or the page before the last one named in its chain: the usual cases
-                if not has_unnamed_child(page, links, named):
-                    break
-                if not parent_of:  # no tree to follow (a policy used outside a pool): name it, stop
-                    stop = True
-                    break
-                deferred[page] = entry
-            page = entry[_PAGE]
-            named[page] = None
-            entries[page] = None
-            if deferred:
-                parent = parent_of[page]
-                if parent in deferred and not has_unnamed_child(parent, links, named):
-                    klass = self._undefer(parent)
-                    cands[klass] = self._candidate(queues[klass], now)
-                    heap = list(cands.values())
-                    heapify(heap)
-            if stop:
-                break
+                if not stop and has_unnamed_child(page, links, named):
+                    if parent_of:
+                        deferred[page] = entry
+                        continue
+                    stop = True  # no tree to follow: name it, stop
+                named[page] = None
+                entries[page] = None
+                remaining -= 1
+                if deferred and parent_of:
+                    parent = parent_of[page]
+                    if parent in deferred and not has_unnamed_child(parent, links, named):
+                        undefer = parent
+            if undefer != NO_PAGE:
+                cands.clear()
+                cands.update((cand[4][_KLASS], cand) for cand in heap)
+                klass = self._undefer(undefer)
+                cands[klass] = self._candidate(queues[klass], now)
+                heap = list(cands.values())
+                heapify(heap)
+        cands.clear()
+        cands.update((cand[4][_KLASS], cand) for cand in heap)
         self._count -= len(named)
         return list(named)
 
