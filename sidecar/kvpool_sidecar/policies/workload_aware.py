@@ -208,8 +208,8 @@ class _ClassQueue:
         return self.front()
 
 
-# Entry fields: [score at release, tiebreak, page (-1 when deleted), bucket id, class, released at, level]
-_PAGE, _BID, _KLASS, _RELEASED, _LEVEL = 2, 3, 4, 5, 6
+# Entry fields: [tiebreak (insertion order), page (-1 when deleted), bucket id, class, released at, level]
+_TIE, _PAGE, _BID, _KLASS, _RELEASED, _LEVEL = 0, 1, 2, 3, 4, 5
 
 
 class WorkloadAwarePolicy(_Scoring):
@@ -274,7 +274,7 @@ class WorkloadAwarePolicy(_Scoring):
             level = locality_level(depth, length)
             score = base + beta * level
             self._tiebreak += 1
-            entry = [score, self._tiebreak, page, bid, klass, now, level]
+            entry = [self._tiebreak, page, bid, klass, now, level]
             entries[page] = entry
             if not self._tiebreak & 3:
                 self._note_score(score)  # a 1-in-4 sample is plenty for a quantile
@@ -332,7 +332,7 @@ class WorkloadAwarePolicy(_Scoring):
         fresh, score = self._base_rank(entry[_KLASS], released, now)
         # (rank..., tiebreak, entry, score without locality): the tiebreak is unique, so tuples
         # compare on the rank alone; the last item lets the next page released with it skip the lookup
-        return (fresh, score + self._beta_level * entry[_LEVEL], released, entry[1], entry, score)
+        return (fresh, score + self._beta_level * entry[_LEVEL], released, entry[_TIE], entry, score)
 
     def _base_rank(self, klass: Hashable, released: float, now: float) -> tuple[bool, float]:
         """(fresh, score without locality); pages released together share it, computed once per ``now``."""
@@ -524,7 +524,7 @@ class WorkloadAwarePolicy(_Scoring):
                         or (fresh == second_fresh and rank >= second_rank)
                         or fresh > second_fresh
                     ):
-                        heapreplace(heap, (fresh, rank, released, after[1], after, score))
+                        heapreplace(heap, (fresh, rank, released, after[_TIE], after, score))
                         break
                     entry = after
             else:
