@@ -542,6 +542,8 @@ class PagePool:
         klass_of = self._klass
         threshold = now - self._windows[_PARTITIONS[part]]
         expired = 0
+        # The ghost's value of a key, shared by the keys released together (one tuple, not one each)
+        remembered: tuple[Hashable, float] | None = None
         pages: list[int]
         batch: Iterable[int]
         if bulk is not None:
@@ -565,7 +567,9 @@ class PagePool:
             del index[k]
             key[page] = None
             if ghost is not None and not hash(k) & _GHOST_MASK:
-                ghost[k] = (klass_of[page], last[page])
+                if remembered is None or remembered[1] != last[page] or remembered[0] != klass_of[page]:
+                    remembered = (klass_of[page], last[page])
+                ghost[k] = remembered
             parent = parent_of[page]
             if parent != NO_PAGE:
                 if first_child[parent] == page and next_sib[page] == NO_PAGE:
