@@ -117,7 +117,8 @@ class _ClassQueue:
         self.low: dict[int, int] = {}  # bucket id -> no entry sits below this level
         self.order: list[int] = []  # bucket ids, ascending
 
-    def _bucket(self, bid: int) -> list[deque[list]]:
+    def bucket(self, bid: int) -> list[deque[list]]:
+        """Bucket ``bid``'s level FIFOs, created (empty, registered in order) if it has none yet."""
         bucket = self.buckets.get(bid)
         if bucket is None:
             bucket = self.buckets[bid] = [deque() for _ in range(LOCALITY_LEVELS + 1)]
@@ -132,7 +133,7 @@ class _ClassQueue:
     def push(self, entry: list) -> None:
         bid = entry[_BID]
         level = entry[_LEVEL]
-        (self.buckets.get(bid) or self._bucket(bid))[level].append(entry)
+        (self.buckets.get(bid) or self.bucket(bid))[level].append(entry)
         self.live[bid] += 1
         if level < self.low[bid]:
             self.low[bid] = level
@@ -270,18 +271,32 @@ class WorkloadAwarePolicy(_Scoring):
         queue = self._queue(klass)
         self._dirty.add(klass)
         self._count += len(pages)
+        # queue.push and locality_level, inlined: this loop runs for every released page
+        bucket = queue.buckets.get(bid)
+        low = queue.low[bid] if bucket is not None else LOCALITY_LEVELS
+        pushed = 0
+        tiebreak = self._tiebreak
         for page, depth in zip(pages, depths, strict=True):
-            level = locality_level(depth, length)
+            level = LOCALITY_LEVELS - (depth * LOCALITY_LEVELS) // length if depth < length else 1
             score = base + beta * level
-            self._tiebreak += 1
-            entry = [self._tiebreak, page, bid, klass, now, level]
+            tiebreak += 1
+            entry = [tiebreak, page, bid, klass, now, level]
             entries[page] = entry
-            if not self._tiebreak & 3:
+            if not tiebreak & 3:
                 self._note_score(score)  # a 1-in-4 sample is plenty for a quantile
             if score >= threshold:
                 protected[page] = entry
             else:
-                queue.push(entry)
+                if bucket is None:
+                    bucket = queue.bucket(bid)
+                bucket[level].append(entry)
+                pushed += 1
+                if level < low:
+                    low = level
+        self._tiebreak = tiebreak
+        if pushed:
+            queue.live[bid] += pushed
+            queue.low[bid] = low
         limit = self.protected_share * self._count
         while len(protected) > limit:
             _, entry = protected.popitem(last=False)
