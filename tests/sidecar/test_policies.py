@@ -336,6 +336,27 @@ def test_exact_policy_is_the_true_arg_min_of_the_rank():
         del meta[victim]
 
 
+def test_pages_released_together_go_tail_first_by_their_locality_level() -> None:
+    """One class, one release time, no protection: the bucketed policy orders pages by the same
+    locality level as the score (the tail of each prompt first), oldest first within a level."""
+    from kvpool_sidecar.policies.workload_aware import locality_level
+
+    spec = KVCachePolicySpec.model_validate({"eviction": {"protectedPercent": 0}})
+    policy = WorkloadAwarePolicy(ctx(spec))
+    rng = random.Random(3)
+    order: list[tuple[int, int, int]] = []  # (level, insertion, page)
+    page = 0
+    for _ in range(30):
+        length = rng.randint(1, 40)
+        pages = list(range(page, page + length))
+        depths = list(range(length))
+        rng.shuffle(depths)
+        policy.insert(pages, depths, length, 10.0, CHAT)
+        order += [(locality_level(d, length), p, p) for p, d in zip(pages, depths, strict=True)]
+        page += length
+    assert drain(policy, now=11.0) == [p for _, _, p in sorted(order)]
+
+
 def test_bucketed_and_exact_pick_alike_on_a_pool():
     """On a small replay both implementations agree on most victims (decision quality)."""
     rng = random.Random(5)
