@@ -209,8 +209,9 @@ class _ClassQueue:
         return self.front()
 
 
-# Entry fields: [tiebreak (insertion order), page (-1 when deleted), bucket id, class, released at, level]
-_TIE, _PAGE, _BID, _KLASS, _RELEASED, _LEVEL = 0, 1, 2, 3, 4, 5
+# Entry fields: [page (-1 when deleted), bucket id, class, released at, level]. Rank tuples break ties
+# on the page id: two classes' candidates never share one, so entries themselves are never compared.
+_PAGE, _BID, _KLASS, _RELEASED, _LEVEL = 0, 1, 2, 3, 4
 
 
 class WorkloadAwarePolicy(_Scoring):
@@ -225,7 +226,7 @@ class WorkloadAwarePolicy(_Scoring):
         self._entry: list[list | None] = []
         self._count = 0
         self._protected: OrderedDict[int, list] = OrderedDict()  # page -> entry, oldest first
-        self._tiebreak = 0
+        self._inserted = 0  # pages inserted: every fourth one's score is sampled for the threshold
         self._cands: dict[Hashable, tuple] = {}  # class -> its eviction candidate, ranked at _cands_now
         self._cands_now = math.nan
         self._base: dict[tuple, tuple[bool, float]] = {}  # (class, released) -> (fresh, score w/o locality)
@@ -275,14 +276,14 @@ class WorkloadAwarePolicy(_Scoring):
         bucket = queue.buckets.get(bid)
         low = queue.low[bid] if bucket is not None else LOCALITY_LEVELS
         pushed = 0
-        tiebreak = self._tiebreak
+        inserted = self._inserted
         for page, depth in zip(pages, depths, strict=True):
             level = LOCALITY_LEVELS - (depth * LOCALITY_LEVELS) // length if depth < length else 1
             score = base + beta * level
-            tiebreak += 1
-            entry = [tiebreak, page, bid, klass, now, level]
+            inserted += 1
+            entry = [page, bid, klass, now, level]
             entries[page] = entry
-            if not tiebreak & 3:
+            if not inserted & 3:
                 self._note_score(score)  # a 1-in-4 sample is plenty for a quantile
             if score >= threshold:
                 protected[page] = entry
@@ -293,7 +294,7 @@ class WorkloadAwarePolicy(_Scoring):
                 pushed += 1
                 if level < low:
                     low = level
-        self._tiebreak = tiebreak
+        self._inserted = inserted
         if pushed:
             queue.live[bid] += pushed
             queue.low[bid] = low
@@ -345,9 +346,9 @@ class WorkloadAwarePolicy(_Scoring):
     def _ranked(self, entry: list, now: float) -> tuple:
         released = entry[_RELEASED]
         fresh, score = self._base_rank(entry[_KLASS], released, now)
-        # (rank..., tiebreak, entry, score without locality): the tiebreak is unique, so tuples
+        # (rank..., page, entry, score without locality): the page id is unique, so tuples
         # compare on the rank alone; the last item lets the next page released with it skip the lookup
-        return (fresh, score + self._beta_level * entry[_LEVEL], released, entry[_TIE], entry, score)
+        return (fresh, score + self._beta_level * entry[_LEVEL], released, entry[_PAGE], entry, score)
 
     def _base_rank(self, klass: Hashable, released: float, now: float) -> tuple[bool, float]:
         """(fresh, score without locality); pages released together share it, computed once per ``now``."""
@@ -539,7 +540,7 @@ class WorkloadAwarePolicy(_Scoring):
                         or (fresh == second_fresh and rank >= second_rank)
                         or fresh > second_fresh
                     ):
-                        heapreplace(heap, (fresh, rank, released, after[_TIE], after, score))
+                        heapreplace(heap, (fresh, rank, released, after[_PAGE], after, score))
                         break
                     entry = after
             else:
