@@ -168,7 +168,7 @@ class ReuseModel:
         so that the fit depends on the observations alone, not on how often it is read.
         """
         own, parent = self._pairs.get(klass) or self._fit_pair(klass)
-        fits = (parent, own) if own is not parent else (own,)
+        fits = _em_order(own, parent)
         for fit in fits:
             if now > fit.updated_at:
                 self._age(fit, now)
@@ -215,13 +215,9 @@ class ReuseModel:
                 self._check_drift(fit, now)
         if self.track_at_risk:  # every report moves the fit one step (the pages waiting are known)
             own, parent = pair
-            self._em((parent, own) if own is not parent else (own,), parent, now)
+            self._em(_em_order(own, parent), parent, now)
 
     # --------------------------------------------------------------------------------- the fit
-    def _weight(self, fit: ClassFit) -> float:
-        """Pseudo-count of the prior: the fit takes over as reuses accumulate past ``minSamples``."""
-        return float(self.min_samples)
-
     def rate(self, klass: ClassKey) -> float:
         """Fitted reuse rate (per second), shrunk towards its parent's (see :meth:`params`)."""
         return self.params(klass)[1]
@@ -285,6 +281,11 @@ class ReuseModel:
             del self.drift_events[:-100]
             if self.on_drift is not None:
                 self.on_drift(event)
+
+
+def _em_order(own: ClassFit, parent: ClassFit) -> tuple[ClassFit, ...]:
+    """The fits one observation moves, the workload class's first: a class shrinks towards it."""
+    return (parent, own) if own is not parent else (own,)
 
 
 def p_reuse(p: float, lam: float, age: float, window: float) -> float:

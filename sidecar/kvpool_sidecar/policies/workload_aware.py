@@ -214,6 +214,11 @@ class _ClassQueue:
 _PAGE, _BID, _KLASS, _RELEASED, _LEVEL = 0, 1, 2, 3, 4
 
 
+def _by_class(ranked: list[tuple]) -> dict[Hashable, tuple]:
+    """Rank tuples (one per class) keyed by their entry's class."""
+    return {cand[4][_KLASS]: cand for cand in ranked}
+
+
 class WorkloadAwarePolicy(_Scoring):
     name = "workload_aware"
 
@@ -486,8 +491,11 @@ class WorkloadAwarePolicy(_Scoring):
                 # ranks below every other class's candidate (no heap operation, no rank tuple).
                 best = heap[0]
                 n = len(heap)
-                second = (heap[1] if n == 2 or heap[1] < heap[2] else heap[2]) if n > 1 else None
-                second_fresh, second_rank = (second[0], second[1]) if second is not None else (True, math.inf)
+                if n > 1:
+                    second = heap[1] if n == 2 or heap[1] < heap[2] else heap[2]
+                    second_fresh, second_rank = second[0], second[1]
+                else:
+                    second_fresh, second_rank = True, math.inf
                 entry = best[4]
                 klass = entry[_KLASS]
                 queue = queues[klass]
@@ -563,14 +571,12 @@ class WorkloadAwarePolicy(_Scoring):
                     if parent in deferred and not has_unnamed_child(parent, links, named):
                         undefer = parent
             if undefer != NO_PAGE:
-                cands.clear()
-                cands.update((cand[4][_KLASS], cand) for cand in heap)
+                cands = self._cands = _by_class(heap)
                 klass = self._undefer(undefer)
                 cands[klass] = self._candidate(queues[klass], now)
                 heap = list(cands.values())
                 heapify(heap)
-        cands.clear()
-        cands.update((cand[4][_KLASS], cand) for cand in heap)
+        self._cands = _by_class(heap)
         self._count -= len(named)
         return list(named)
 
