@@ -359,11 +359,7 @@ class WorkloadAwarePolicy(_Scoring):
         """(fresh, score without locality); pages released together share it, computed once per ``now``."""
         base = self._base.get((klass, released))
         if base is None:
-            params = self._params.get(klass)
-            if params is None:
-                p, lam, window = self.model.params(klass)
-                params = self._params[klass] = (p, lam, window, 1.0 - math.exp(-lam * window))
-            p, lam, window, within = params
+            p, lam, window, within = self._params.get(klass) or self._class_params(klass)
             age = now - released
             survive = p * math.exp(-lam * age)  # p_reuse, its age-free factor computed once per class
             score = self.alpha * (survive * within / (survive + 1.0 - p))
@@ -371,6 +367,12 @@ class WorkloadAwarePolicy(_Scoring):
                 score += self.gamma
             base = self._base[(klass, released)] = (age <= window, score)
         return base
+
+    def _class_params(self, klass: Hashable) -> tuple[float, float, float, float]:
+        """(p, rate, window, P(a gap under the window)) of ``klass``, kept until the next ``now``."""
+        p, lam, window = self.model.params(klass)
+        params = self._params[klass] = (p, lam, window, 1.0 - math.exp(-lam * window))
+        return params
 
     def _best(self, now: float) -> list:
         """The entry to evict next, left in place: the lowest-ranked page without cached descendants."""
@@ -473,7 +475,7 @@ class WorkloadAwarePolicy(_Scoring):
         protected = self._protected
         deferred = self._deferred
         beta_level = self._beta_level
-        base_ranks = self._base
+        alpha, gamma, exp = self.alpha, self.gamma, math.exp
         named: dict[int, None] = {}  # the pages named so far, in order
         stop = False
         # The candidates as a heap: a victim replaces its class's candidate with the next page of that
@@ -482,7 +484,6 @@ class WorkloadAwarePolicy(_Scoring):
         # when a class is undeferred (rare) and at the end.
         heap = list(cands.values())
         heapify(heap)
-        base_rank = self._base_rank
         remaining = count
         while remaining > 0 and not stop:
             undefer = NO_PAGE  # a deferred parent whose last child this run named
@@ -501,6 +502,7 @@ class WorkloadAwarePolicy(_Scoring):
                 queue = queues[klass]
                 buckets, lives = queue.buckets, queue.live
                 fresh, score, released = best[0], best[5], best[2]
+                p, lam, window, within = self._params.get(klass) or self._class_params(klass)
                 while True:
                     # queue.advance(entry), its usual case inlined: the next page of the same level
                     bid = entry[_BID]
@@ -538,8 +540,14 @@ class WorkloadAwarePolicy(_Scoring):
                         heappop(heap)
                         break
                     if after[_RELEASED] != released:
+                        # _base_rank inlined, same arithmetic (the next release time is nearly always new)
                         released = after[_RELEASED]
-                        fresh, score = base_ranks.get((klass, released)) or base_rank(klass, released, now)
+                        age = now - released
+                        survive = p * exp(-lam * age)
+                        score = alpha * (survive * within / (survive + 1.0 - p))
+                        fresh = age <= window
+                        if fresh:
+                            score += gamma
                     rank = score + beta_level * after[_LEVEL]
                     if (
                         remaining <= 0
