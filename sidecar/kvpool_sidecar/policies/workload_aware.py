@@ -503,17 +503,28 @@ class WorkloadAwarePolicy(_Scoring):
                 buckets, lives = queue.buckets, queue.live
                 fresh, score, released = best[0], best[5], best[2]
                 p, lam, window, within = self._params.get(klass) or self._class_params(klass)
+                # The run stops at a rank of ``limit`` or more: the runner-up's rank when it is as fresh,
+                # never when only the runner-up is fresh (an expired page goes first), at once when
+                # only this class's page is
+                limit = second_rank if fresh == second_fresh else (math.inf if second_fresh else -math.inf)
+                halt = False  # stop or undefer: the run ends after this page
+                bid = entry[_BID]
+                fifo = buckets[bid][entry[_LEVEL]]
+                live = lives[bid]  # written back when the run leaves this FIFO
                 while True:
-                    # queue.advance(entry), its usual case inlined: the next page of the same level
-                    bid = entry[_BID]
-                    fifo = buckets[bid][entry[_LEVEL]]
+                    # queue.advance(entry), its usual case inlined: the next page of the same FIFO
                     fifo.popleft()
-                    live = lives[bid] - 1
+                    live -= 1
+                    moved = True  # the next page is in another FIFO (or there is none)
                     if live >= MERGE_BELOW:
-                        lives[bid] = live
                         while fifo and fifo[0][_PAGE] < 0:
                             fifo.popleft()
-                        after = fifo[0] if fifo else queue.front()
+                        if fifo:
+                            after = fifo[0]
+                            moved = False
+                        else:
+                            lives[bid] = live
+                            after = queue.front()
                     else:
                         after = queue.settle(bid, live)
                     page = entry[_PAGE]
@@ -530,10 +541,11 @@ class WorkloadAwarePolicy(_Scoring):
                             parent = parent_of[page]
                             if parent in deferred and not has_unnamed_child(parent, links, named):
                                 undefer = parent
+                                halt = True
                     elif not parent_of:  # no tree to follow (a policy used outside a pool): name it, stop
                         named[page] = None
                         entries[page] = None
-                        stop = True
+                        stop = halt = True
                     else:
                         deferred[page] = entry  # back once its descendants are gone
                     if after is None:
@@ -548,17 +560,21 @@ class WorkloadAwarePolicy(_Scoring):
                         fresh = age <= window
                         if fresh:
                             score += gamma
+                        if fresh != second_fresh:
+                            limit = math.inf if second_fresh else -math.inf
+                        else:
+                            limit = second_rank
                     rank = score + beta_level * after[_LEVEL]
-                    if (
-                        remaining <= 0
-                        or stop
-                        or undefer != NO_PAGE
-                        or (fresh == second_fresh and rank >= second_rank)
-                        or fresh > second_fresh
-                    ):
+                    if rank >= limit or remaining <= 0 or halt:
+                        if not moved:
+                            lives[bid] = live
                         heapreplace(heap, (fresh, rank, released, after[_PAGE], after, score))
                         break
                     entry = after
+                    if moved:
+                        bid = entry[_BID]
+                        fifo = buckets[bid][entry[_LEVEL]]
+                        live = lives[bid]
             else:
                 if protected:
                     entry = protected.popitem(last=False)[1]
