@@ -613,15 +613,16 @@ class WorkloadAwarePolicy(_Scoring):
         """
         protected = self._protected
         base_ranks = self._base
+        threshold, beta_level = self._threshold, self._beta_level
         for _ in range(min(_DEMOTE_PER_CALL, len(protected))):
-            page, entry = protected.popitem(last=False)
+            page = next(iter(protected))
+            entry = protected[page]
             klass = entry[_KLASS]
             released = entry[_RELEASED]
             fresh, score = base_ranks.get((klass, released)) or self._base_rank(klass, released, now)
-            if fresh and score + self._beta_level * entry[_LEVEL] >= self._threshold:
-                protected[page] = entry  # still in the top share: back in front, and so is the rest
-                protected.move_to_end(page, last=False)
-                return
+            if fresh and score + beta_level * entry[_LEVEL] >= threshold:
+                return  # still in the top share, and so is the rest
+            del protected[page]
             self._push(entry)
 
     def __len__(self) -> int:
