@@ -31,6 +31,11 @@ ClassKey = Hashable  # (workload class, request type, turn bucket) from the pool
 PRIOR_REUSE_PROBABILITY = 0.5
 _MIN_P, _MAX_P = 0.01, 0.99
 _DRIFT_CHECK_EVERY = 64  # reuse observations between drift checks of a class
+# A class's drift reference waits until it has been seen for this many of its windows (and at least
+# DRIFT_WARMUP_MIN_SECONDS): until then the long gaps have not come in and the plain rate is high by
+# construction (a steady chat class, gaps of minutes: 2.7x its rate after one window, 1.2x after four).
+DRIFT_WARMUP_WINDOWS = 4
+DRIFT_WARMUP_MIN_SECONDS = 300.0
 FIT_HALF_LIFE_SECONDS = 1800.0  # the fit forgets half its evidence in this time
 
 
@@ -55,6 +60,7 @@ class ClassFit:
     reference_rate: float | None = None
     since_check: int = 0
     first_reuse_at: float | None = None
+    first_release_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +150,8 @@ class ReuseModel:
         for fit in self._pairs.get(klass) or self._fit_pair(klass):
             if now > fit.updated_at:
                 self._age(fit, now)
+            if fit.first_release_at is None:
+                fit.first_release_at = now
             fit.releases += pages
             if self.track_at_risk:
                 fit.at_risk += pages
@@ -266,7 +274,9 @@ class ReuseModel:
     def _check_drift(self, fit: ClassFit, now: float) -> None:
         # Drift is about the workload, so it compares the data's own estimate, not the shrunk one
         # (which moves on its own as evidence outweighs the prior).
-        if fit.gap_sum <= 0:
+        seen_since = fit.first_release_at if fit.first_release_at is not None else fit.first_reuse_at
+        warmup = max(DRIFT_WARMUP_WINDOWS * self.window_of(fit.klass), DRIFT_WARMUP_MIN_SECONDS)
+        if fit.gap_sum <= 0 or seen_since is None or now - seen_since < warmup:
             return
         rate = fit.reuses / fit.gap_sum
         if fit.reference_rate is None:
