@@ -23,6 +23,8 @@ from typing import TextIO
 BLOCK = 16
 PROFILES = ("to-c", "to-b", "mixed")
 RATE = 2.0  # sessions (conversations, API bursts) starting per second
+TURN_GAP_RATE = 0.15 / 60.0  # per second: a chat's next turn comes after Exp(0.15/min)
+CALL_GAP_RATE = 6.0 / 60.0  # per second: an API burst's next call comes after Exp(6/min)
 
 
 @dataclass(slots=True)
@@ -75,7 +77,9 @@ def _lognormal(rng: random.Random, median: float, sigma: float, low: int, high: 
     return int(min(max(rng.lognormvariate(math.log(median), sigma), low), high))
 
 
-def _to_c(rng: random.Random, ids: _Ids, rate: float, rows_wanted: int, chat_ids: Iterator[int]) -> list[_Row]:
+def _to_c(
+    rng: random.Random, ids: _Ids, rate: float, rows_wanted: int, chat_ids: Iterator[int], gap_scale: float = 1.0
+) -> list[_Row]:
     """Chat conversations: Poisson starts; half continue; next turns after Exp(0.15/min) gaps."""
     system_prompts = []
     for _ in range(4):
@@ -106,11 +110,13 @@ def _to_c(rng: random.Random, ids: _Ids, rate: float, rows_wanted: int, chat_ids
             parent = chat_id
             # The next turn resends the history plus the answer.
             history, hist_len = ids.extend(hash_ids, new_len, new_len + out), new_len + out
-            when += rng.expovariate(0.15 / 60.0)
+            when += rng.expovariate(TURN_GAP_RATE * gap_scale)
     return rows
 
 
-def _to_b(rng: random.Random, ids: _Ids, rate: float, rows_wanted: int, chat_ids: Iterator[int]) -> list[_Row]:
+def _to_b(
+    rng: random.Random, ids: _Ids, rate: float, rows_wanted: int, chat_ids: Iterator[int], gap_scale: float = 1.0
+) -> list[_Row]:
     """API bursts: a client's system prompt, often a document, calls seconds apart (Exp(6/min))."""
     clients = []
     for c in range(6):
@@ -137,12 +143,13 @@ def _to_b(rng: random.Random, ids: _Ids, rate: float, rows_wanted: int, chat_ids
             hash_ids = ids.extend(base, base_len, base_len + query)
             out = _lognormal(rng, 120, 0.8, 1, 2000)
             rows.append(_Row(when, next(chat_ids), -1, base_len + query, out, "api", 0, hash_ids, "to-b", user))
-            when += rng.expovariate(6.0 / 60.0)
+            when += rng.expovariate(CALL_GAP_RATE * gap_scale)
     return rows
 
 
-def generate(profile: str, requests: int, seed: int) -> list[str]:
-    """``requests`` JSON lines of a ``profile`` trace, in timestamp order."""
+def generate(profile: str, requests: int, seed: int, gap_scale: float = 1.0) -> list[str]:
+    """``requests`` JSON lines of a ``profile`` trace, in timestamp order; ``gap_scale`` multiplies the
+    rate of the reuse gaps (a chat's next turn, a burst's next call): 4 is reuse 4x sooner."""
     if profile not in PROFILES:
         raise ValueError(f"--profile must be one of {', '.join(PROFILES)}, got {profile!r}")
     if requests < 1:
@@ -155,10 +162,10 @@ def generate(profile: str, requests: int, seed: int) -> list[str]:
     rows: list[_Row] = []
     if profile in ("to-c", "mixed"):
         share = 1.0 if profile == "to-c" else 2 / 3
-        rows += _to_c(rng, ids, rate=RATE, rows_wanted=int(1.3 * requests * share) + 1, chat_ids=chat_ids)
+        rows += _to_c(rng, ids, RATE, int(1.3 * requests * share) + 1, chat_ids, gap_scale)
     if profile in ("to-b", "mixed"):
         share = 1.0 if profile == "to-b" else 1 / 3
-        rows += _to_b(rng, ids, rate=RATE * share, rows_wanted=int(1.3 * requests * share) + 1, chat_ids=chat_ids)
+        rows += _to_b(rng, ids, RATE * share, int(1.3 * requests * share) + 1, chat_ids, gap_scale)
     rows.sort(key=lambda r: (r.timestamp, r.chat_id))
     return [r.to_json() for r in rows[:requests]]
 
