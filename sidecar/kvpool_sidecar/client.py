@@ -24,6 +24,7 @@ class Admitted:
     seq_id: str
     num_cached_tokens: int
     page_ids: list[int]
+    storage_epoch: int | None = None  # the KV storage the page ids index (None: bookkeeping only)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,17 @@ class SidecarClient:
 
     def release(self, seq_id: str) -> None:
         self._call("DELETE", f"/v1/sequences/{seq_id}")
+
+    def batch(self, ops: Sequence[dict[str, Any]], report: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Apply ``ops`` in order in one round trip; each result is ``{"ok", "result" | "error"}``."""
+        body: dict[str, Any] = {"ops": list(ops)}
+        if report is not None:
+            body["report"] = report
+        return self._call("POST", "/v1/batch", body)["results"]
+
+    def storage_handle(self) -> dict[str, Any]:
+        """What an engine needs to map the pool's KV (see :meth:`kvpool_sidecar.storage.KVStorage.attach`)."""
+        return self._call("GET", "/v1/storage/handle")
 
     def lookup(self, tokens: Sequence[int] | None = None, *, block_hashes: Sequence[int | str] | None = None,
                num_tokens: int | None = None, meta: dict[str, Any] | None = None) -> int:

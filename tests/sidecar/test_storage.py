@@ -145,3 +145,18 @@ def test_bad_arguments_change_nothing():
     with pytest.raises(ValueError, match="buffer"):
         storage.scatter_pages([0], torch.ones(3))
     assert torch.equal(storage.kv, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_moves_between_two_tensors_are_bit_exact(dtype):
+    # An engine's blocks and the pool's pages: two tensors, rows of one length, ids in any order.
+    g = torch.Generator().manual_seed(1)
+    engine = torch.randn((6, 96), generator=g).to(dtype)
+    got, want = torch.zeros((9, 96), dtype=dtype), torch.zeros((9, 96), dtype=dtype)
+    src, dst = torch.tensor([5, 0, 3]), torch.tensor([8, 2, 4])
+    kernels.move_rows(engine, src, got, dst)
+    reference.move_rows(engine, src, want, dst)
+    assert torch.equal(got.view(torch.int8), want.view(torch.int8))
+    assert torch.equal(got[8], engine[5]) and not got[0].any()
+    with pytest.raises(ValueError, match="rows differ"):
+        kernels.move_rows(engine, src, torch.zeros((9, 95), dtype=dtype), dst)

@@ -145,7 +145,8 @@ def create_app(
             sidecar.admit, body.seq_id, body.tokens, body.block_hashes, body.num_tokens, workload_meta(body.meta),
             heavy=sidecar.is_heavy(body.tokens, body.block_hashes, body.num_tokens),
         )
-        return m.AdmitResponse(seq_id=adm.seq_id, num_cached_tokens=adm.num_cached_tokens, page_ids=adm.page_ids)
+        return m.AdmitResponse(seq_id=adm.seq_id, num_cached_tokens=adm.num_cached_tokens, page_ids=adm.page_ids,
+                               storage_epoch=sidecar.storage_epoch)
 
     @app.post("/v1/sequences/{seq_id}/commit", response_model=m.CommitResponse, dependencies=v1, tags=["sequences"])
     async def commit(seq_id: str, body: m.CommitRequest) -> m.CommitResponse:
@@ -172,6 +173,9 @@ def create_app(
         heavy = any(
             op.op == "admit" and sidecar.is_heavy(op.tokens, op.block_hashes, op.num_tokens) for op in body.ops
         )
+        if body.report is not None:
+            r = body.report
+            sidecar.metrics.observe_engine_report(r.loaded_tokens, r.saved_tokens, r.lookup_seconds, r.failures)
         return await sidecar.run(_apply_batch, sidecar, body.ops, heavy=heavy)
 
     @app.post("/v1/lookup", response_model=m.LookupResponse, dependencies=v1, tags=["sequences"])
@@ -307,7 +311,7 @@ def _apply_batch(sidecar: Sidecar, ops: list) -> m.BatchResponse:
             if op.op == "admit":
                 adm = sidecar.admit(op.seq_id, op.tokens, op.block_hashes, op.num_tokens, workload_meta(op.meta))
                 out: dict[str, Any] = {"seq_id": adm.seq_id, "num_cached_tokens": adm.num_cached_tokens,
-                                       "page_ids": adm.page_ids}
+                                       "page_ids": adm.page_ids, "storage_epoch": sidecar.storage_epoch}
             elif op.op == "commit":
                 out = {"seq_id": op.seq_id, "published_pages": pool.commit(op.seq_id, op.num_computed_tokens)}
             elif op.op == "append":

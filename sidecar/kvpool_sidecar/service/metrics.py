@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 REGIONS = ("prefix", "middle", "suffix")
 GAP_BUCKETS = (0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+LOOKUP_BUCKETS = (1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25, 1)
 EVICTION_BUCKETS = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2)
 
 
@@ -80,6 +81,18 @@ class SidecarMetrics:
         self.transfer_refused = Counter(
             "kvpool_transfer_refused", "Page imports refused, by reason (nothing changed)", ["reason"], registry=r,
         )
+        self.connector_tokens = Counter(
+            "kvpool_connector_tokens", "Tokens an engine's connector copied (loaded: pool -> engine, saved: "
+            "engine -> pool, committed)", ["direction"], registry=r,
+        )
+        self.connector_lookup_seconds = Histogram(
+            "kvpool_connector_lookup_seconds", "Round trip of an engine's lookup as its connector measured it",
+            buckets=LOOKUP_BUCKETS, registry=r,
+        )
+        self.connector_failures = Counter(
+            "kvpool_connector_failures", "Connector operations that failed (the engine recomputed or skipped)",
+            ["operation"], registry=r,
+        )
         # Export every series from the start (at 0) so that rates and alerts see zeros, not absences.
         for klass in ("toC", "toB"):
             for region in REGIONS:
@@ -96,6 +109,18 @@ class SidecarMetrics:
             self.reloads.labels(result)
         for direction in ("export", "import"):
             self.transfer_pages.labels(direction)
+        for direction in ("loaded", "saved"):
+            self.connector_tokens.labels(direction)
+        for operation in ("lookup", "load", "save"):
+            self.connector_failures.labels(operation)
+
+    def observe_engine_report(self, loaded: int, saved: int, lookups: list[float], failures: dict[str, int]) -> None:
+        self.connector_tokens.labels("loaded").inc(loaded)
+        self.connector_tokens.labels("saved").inc(saved)
+        for seconds in lookups:
+            self.connector_lookup_seconds.observe(seconds)
+        for operation, n in failures.items():
+            self.connector_failures.labels(operation).inc(n)
 
     def observe_admission(self, workload_class: str, cached: int, length: int, cross_user: int) -> None:
         for region, hit, looked in region_split(cached, length):

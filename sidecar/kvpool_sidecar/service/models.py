@@ -53,6 +53,9 @@ class AdmitResponse(_Wire):
     seq_id: str
     num_cached_tokens: int
     page_ids: list[int]
+    storage_epoch: int | None = Field(
+        default=None, description="epoch of the KV storage these page ids index (null: bookkeeping only); "
+        "an engine copies KV only into a mapping of this epoch")
 
 
 class CommitRequest(_Wire):
@@ -186,11 +189,29 @@ class BatchRelease(_Wire):
 BatchOp = Annotated[BatchAdmit | BatchCommit | BatchAppend | BatchRelease, Field(discriminator="op")]
 
 
+class EngineReport(_Wire):
+    """What an engine's connector measured since its last report (exported as kvpool_connector_*)."""
+
+    loaded_tokens: Annotated[int, Field(ge=0, le=2**40)] = 0
+    saved_tokens: Annotated[int, Field(ge=0, le=2**40)] = 0
+    lookup_seconds: list[Annotated[float, Field(ge=0, le=3600)]] = Field(default_factory=list, max_length=4096)
+    failures: dict[Literal["lookup", "load", "save"], Annotated[int, Field(ge=0, le=2**40)]] = Field(
+        default_factory=dict)
+
+
 class BatchRequest(_Wire):
     """Operations applied in order, each on its own (one failing changes nothing and stops nothing):
-    what an engine sends once per scheduling step, saving an HTTP round trip per sequence."""
+    what an engine sends once per scheduling step, saving an HTTP round trip per sequence. ``report``
+    carries the connector's own measurements along (no extra round trip)."""
 
-    ops: list[BatchOp] = Field(min_length=1, max_length=4096)
+    ops: list[BatchOp] = Field(max_length=4096)
+    report: EngineReport | None = None
+
+    @model_validator(mode="after")
+    def _something(self) -> BatchRequest:
+        if not self.ops and self.report is None:
+            raise ValueError("give at least one op, or a report")
+        return self
 
 
 class BatchResult(_Wire):

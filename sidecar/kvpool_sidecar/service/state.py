@@ -93,6 +93,7 @@ class Sidecar:
         self.metrics.add_gauges(self.snapshot)
         self.shadow = ShadowIndex(shadow_capacity or max(10 * pages, 100_000))
         self.storage = storage
+        self.storage_epoch = storage.epoch if storage is not None else None
         self.backend: dict[str, Any] = storage.describe() if storage else {"storage": "none", "kernels": "none"}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-pool")
         self._lock = asyncio.Lock()

@@ -78,6 +78,15 @@ def _move(src: torch.Tensor, dst: torch.Tensor, src_rows: torch.Tensor, dst_rows
     _move_pages_kernel[grid](src, dst, src_rows, dst_rows, row_len, BLOCK=PAGE_CHUNK)
 
 
+def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """``dst[dst_rows[i]] = src[src_rows[i]]`` between two contiguous 2-D tensors with rows of one length
+    (an engine's KV blocks and the pool's pages, see :mod:`kvpool_sidecar.engines.blocks`)."""
+    if src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
+        raise ValueError(f"rows differ: {tuple(src.shape)} {src.dtype} against {tuple(dst.shape)} {dst.dtype}")
+    assert src.is_contiguous() and dst.is_contiguous(), "row moves address rows as flat offsets"
+    _move(src, dst, src_rows, dst_rows, src.shape[1])
+
+
 def copy_pages(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy whole pages ``src[i] -> dst[i]`` (copy-on-write at fork, defragmentation). The pairs must
     not chain (no page both a source and a destination), as the pool never asks for that."""

@@ -22,6 +22,12 @@ def write_kv(kv: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tenso
     kv[pages, layer, 1, offsets] = value[valid].to(kv.dtype)
 
 
+def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    if src.shape[1] != dst.shape[1] or src.dtype != dst.dtype:
+        raise ValueError(f"rows differ: {tuple(src.shape)} {src.dtype} against {tuple(dst.shape)} {dst.dtype}")
+    dst[dst_rows.long()] = src[src_rows.long()]
+
+
 def copy_pages(kv: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     rows = kv.view(kv.shape[0], -1)
     rows[dst.long()] = rows[src.long()].clone()

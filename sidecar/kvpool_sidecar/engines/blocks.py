@@ -1,0 +1,112 @@
+"""Engine KV blocks <-> pool pages: the pool stores each page in the engine's own block layout.
+
+A pool page is ``kv[page, layer, ...]``: per layer, ``2 * page_size * kv_heads * head_dim`` elements.
+An engine keeps one tensor per layer; its blocks are found along the dimension of size ``num_blocks``:
+* first (``[num_blocks, ...]``, e.g. vLLM's CPU backend ``[blocks, kv_heads, block_size, 2*head_dim]``):
+  one block is one contiguous row, copied verbatim into the page's layer row;
+* second (``[parts, num_blocks, ...]``, e.g. ``[2, blocks, block_size, kv_heads, head_dim]``, K and V
+  apart): the page's layer row holds the parts one after the other.
+So a load or a save is a plain row copy (``storage`` kernels: Triton on CUDA, torch on CPU), and the
+bytes in the pool mean whatever the engine's attention backend reads. Other layouts are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpool_sidecar.storage import reference
+from kvpool_sidecar.storage.backend import Backend, choose_backend
+from kvpool_sidecar.storage.tensors import ModelShape
+
+
+class LayoutError(ValueError):
+    """The engine's KV and the pool do not match (the message names both values)."""
+
+
+@dataclass(frozen=True)
+class EngineLayer:
+    name: str
+    rows: torch.Tensor  # [parts * num_blocks, row_len]: part j of block b is row j * num_blocks + b
+    parts: int
+
+
+def engine_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[EngineLayer]:
+    layers = []
+    for name, t in kv_caches.items():
+        if not t.is_contiguous():
+            raise LayoutError(f"engine KV of {name} is not contiguous (strides {t.stride()}): not supported")
+        if t.dim() >= 2 and t.shape[0] == num_blocks:
+            parts = 1
+        elif t.dim() >= 3 and t.shape[1] == num_blocks:
+            parts = t.shape[0]
+        else:
+            raise LayoutError(f"engine KV of {name} has shape {tuple(t.shape)}: no block dimension of "
+                              f"{num_blocks} blocks in the first two")
+        layers.append(EngineLayer(name, t.view(parts * num_blocks, -1), parts))
+    if not layers:
+        raise LayoutError("the engine registered no KV cache layers")
+    return layers
+
+
+def check_compatible(layers: list[EngineLayer], block_size: int, handle: dict[str, Any]) -> None:
+    """Refuse a pool whose page size, layer count, dtype or per-layer page size differ from the engine's."""
+    shape = ModelShape(**handle["shape"])
+    page_size = handle["page_size"]
+    if page_size != block_size:
+        raise LayoutError(f"the pool's page size is {page_size} tokens, the engine's block_size {block_size}: "
+                          "set the policy's pageSize to the engine's block_size")
+    if shape.layers != len(layers):
+        raise LayoutError(f"the pool holds {shape.layers} layers (--kv-shape), the engine {len(layers)}")
+    dtype = layers[0].rows.dtype
+    if shape.torch_dtype != dtype:
+        raise LayoutError(f"the pool's dtype is {shape.dtype}, the engine's KV dtype {dtype}")
+    pool_row = 2 * page_size * shape.kv_heads * shape.head_dim
+    for layer in layers:
+        engine_row = layer.parts * layer.rows.shape[1]
+        if engine_row != pool_row:
+            raise LayoutError(
+                f"a pool page holds {pool_row} elements per layer (2 x {page_size} x {shape.kv_heads} kv heads x "
+                f"{shape.head_dim} head dim), an engine block of {layer.name} {engine_row}: --kv-shape must be "
+                "the model's layers,kv_heads,head_dim,dtype"
+            )
+
+
+class PageCopier:
+    """Copies whole blocks between the engine's layers and a mapped pool tensor."""
+
+    def __init__(self, layers: list[EngineLayer], backend: str | None = None) -> None:
+        self.layers = layers
+        self.num_layers = len(layers)
+        device = layers[0].rows.device
+        self.device = device
+        self._kernels: Any = reference
+        if choose_backend(device, backend) is not Backend.TORCH:
+            from kvpool_sidecar.storage import kernels
+
+            self._kernels = kernels
+
+    def _pool_rows(self, pool_kv: torch.Tensor, parts: int) -> torch.Tensor:
+        return pool_kv.view(pool_kv.shape[0] * self.num_layers * parts, -1)
+
+    def _row_ids(self, pages: list[int], blocks: list[int], li: int, layer: EngineLayer) -> tuple[torch.Tensor, ...]:
+        n_blocks = layer.rows.shape[0] // layer.parts
+        page_t = torch.tensor(pages, dtype=torch.int64)
+        block_t = torch.tensor(blocks, dtype=torch.int64)
+        pool_ids = torch.cat([(page_t * self.num_layers + li) * layer.parts + j for j in range(layer.parts)])
+        engine_ids = torch.cat([j * n_blocks + block_t for j in range(layer.parts)])
+        return pool_ids.to(self.device), engine_ids.to(self.device)
+
+    def load(self, pool_kv: torch.Tensor, pages: list[int], blocks: list[int]) -> None:
+        """Pool pages -> engine blocks, every layer."""
+        for li, layer in enumerate(self.layers):
+            pool_ids, engine_ids = self._row_ids(pages, blocks, li, layer)
+            self._kernels.move_rows(self._pool_rows(pool_kv, layer.parts), pool_ids, layer.rows, engine_ids)
+
+    def save(self, pool_kv: torch.Tensor, blocks: list[int], pages: list[int]) -> None:
+        """Engine blocks -> pool pages, every layer."""
+        for li, layer in enumerate(self.layers):
+            pool_ids, engine_ids = self._row_ids(pages, blocks, li, layer)
+            self._kernels.move_rows(layer.rows, engine_ids, self._pool_rows(pool_kv, layer.parts), pool_ids)

@@ -1,0 +1,62 @@
+"""The connector's settings: ``kv_connector_extra_config`` of the engine's ``--kv-transfer-config``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConnectorConfigError(ValueError):
+    """A bad ``kv_connector_extra_config``; the message names the field and the rule."""
+
+
+class DefaultMeta(BaseModel):
+    """Workload metadata for requests whose ``kv_transfer_params`` do not say."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    tenant: Annotated[str, Field(min_length=1, max_length=256)] = "default"
+    workload_class: Literal["toC", "toB"] = "toC"
+    request_type: Annotated[str, Field(min_length=1, max_length=64)] = "text"
+    turn: Annotated[int, Field(ge=0, le=100_000)] = 0
+
+
+class ConnectorSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: Annotated[str, Field(pattern=r"^https?://[^/\s]+$")] = "http://127.0.0.1:8000"
+    token: str | None = Field(default=None, min_length=16, description="the sidecar's bearer token")
+    token_file: str | None = Field(default=None, description="a file holding it (a mounted Secret)")
+    lookup_wait_ms: Annotated[float, Field(ge=0, le=100)] = 1.0
+    timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    defaults: DefaultMeta = Field(default_factory=DefaultMeta)
+    kernels: Literal["triton", "triton-interpreter", "torch"] | None = None
+
+    @model_validator(mode="after")
+    def _one_token(self) -> ConnectorSettings:
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        return self
+
+    def bearer(self) -> str | None:
+        if self.token_file is None:
+            return self.token
+        try:
+            token = Path(self.token_file).read_text().strip()
+        except OSError as exc:
+            where = f"kv_connector_extra_config.token_file {self.token_file}"
+            raise ConnectorConfigError(f"{where}: {exc.strerror}") from None
+        if len(token) < 16:
+            raise ConnectorConfigError(f"kv_connector_extra_config.token_file {self.token_file}: "
+                                       "the token must be at least 16 characters")
+        return token
+
+
+def parse_settings(extra: dict[str, Any] | None) -> ConnectorSettings:
+    try:
+        return ConnectorSettings.model_validate(extra or {})
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(["kv_connector_extra_config", *(str(p) for p in first["loc"])])
+        raise ConnectorConfigError(f"{where}: {first['msg']}") from None

@@ -1,0 +1,141 @@
+"""``KVPoolConnector``: vLLM's v1 KV connector that makes a kvpool sidecar its second-tier prefix cache.
+
+The only module that imports vllm. Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVPoolConnector",
+        "kv_connector_module_path": "kvpool_sidecar.engines.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"url": "http://127.0.0.1:8000", "token_file": "/var/run/kvpool/token"}}'
+
+A request's tenant and workload class come from its ``kv_transfer_params`` (``tenant``, ``workload_class``,
+``request_type``, ``turn``, ``user``; in the OpenAI API, the request body's ``kv_transfer_params``), else
+from ``defaults`` in the extra config. The scheduler half is :mod:`.scheduler`, the worker half
+:mod:`.worker`; this class only translates vLLM's objects.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar.engines.blocks import LayoutError, engine_layers
+from kvpool_sidecar.engines.link import SidecarLink
+from kvpool_sidecar.engines.scheduler import SchedulerSide, StepPlan
+from kvpool_sidecar.engines.settings import parse_settings
+from kvpool_sidecar.engines.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.engine")
+
+
+@dataclass
+class KVPoolMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+class KVPoolConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = parse_settings(self._kv_transfer_config.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            raise LayoutError(f"KVPoolConnector supports one KV cache group, the model has {len(groups)}")
+        failure_policy = self._kv_transfer_config.kv_load_failure_policy
+        if failure_policy != "recompute":
+            log.warning("kvpool: kv_load_failure_policy is %r: a failed load fails its request; "
+                        "'recompute' makes the engine recompute it instead", failure_policy)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            link = SidecarLink(self.settings.url, token=self.settings.bearer(), timeout=self.settings.timeout_s)
+            self._scheduler = SchedulerSide(
+                link, self.block_size, lookup_wait=self.settings.lookup_wait_ms / 1000,
+                default_meta=self.settings.defaults.model_dump(),
+            )
+
+    # ================================================================== scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        hashes = [h.hex() if isinstance(h, bytes) else str(h) for h in request.block_hashes]
+        tokens = self._scheduler.matched_tokens(request.request_id, hashes, request.num_tokens, num_computed_tokens,
+                                                request.kv_transfer_params)
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        counts = scheduler_output.num_scheduled_tokens
+        scheduled: list[tuple[str, list[int] | None, bool, int, int]] = [
+            (new.req_id, new.block_ids[0], True, new.num_computed_tokens, counts[new.req_id])
+            for new in scheduler_output.scheduled_new_reqs
+        ]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            scheduled.append((req_id, new_ids[0] if new_ids is not None else None, req_id in cached.resumed_req_ids,
+                              cached.num_computed_tokens[i], counts[req_id]))
+        return KVPoolMetadata(self._scheduler.plan(scheduled))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        self._scheduler.finished(request.request_id)
+        return False, None  # saves are synchronous: the engine may free the blocks now
+
+    # ===================================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layers = engine_layers(kv_caches, self._kv_cache_config.num_blocks)
+        client = SidecarClient(self.settings.url, token=self.settings.bearer(), timeout=self.settings.timeout_s)
+        self._worker = WorkerSide(client, layers, self.block_size, backend=self.settings.kernels)
+        self._worker.attach(strict=True)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata) and self._worker is not None
+        if meta.plan.loads:
+            self._load_errors |= self._worker.load(meta.plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are complete when start_load_kv returns
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # every layer is saved at once in wait_for_save, after the forward pass wrote them
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVPoolMetadata) and self._worker is not None
+        self._worker.save(meta.plan.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.link.close()

@@ -1,0 +1,142 @@
+"""A real ``kvpool-sidecar serve`` process and a real vLLM engine (tiny random model) wired by the connector."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+from support import free_port
+
+BLOCK = 32  # vLLM's CPU attention wants a multiple of 32
+SHAPE = "2,1,64,float32"  # the tiny model: 2 layers, 1 kv head, head_dim 64
+VOCAB = 512
+CONNECTOR = "kvpool_sidecar.engines.vllm"
+SIDECAR_BIN = str(Path(sys.executable).with_name("kvpool-sidecar"))
+
+
+class SidecarProcess:
+    """``kvpool-sidecar serve`` on 127.0.0.1 with an embedded shared CPU pool; restartable on its port."""
+
+    def __init__(self, folder: Path, pages: int = 256, config: dict[str, Any] | None = None) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.pages = pages
+        self.config_path = folder / "config.yaml"
+        self.write_config(config or {"pageSize": BLOCK, "eviction": {"policy": "lru"}})
+        self.proc: subprocess.Popen | None = None
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(yaml.safe_dump(config))
+        os.replace(tmp, self.config_path)  # atomic, as kubelet's projection is
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [SIDECAR_BIN, "serve", "--port", str(self.port), "--pages", str(self.pages), "--kv-shape", SHAPE,
+             "--config", str(self.config_path), "--log-level", "warning"],
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/healthz", timeout=0.5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        raise RuntimeError("the sidecar did not start")
+
+    def kill(self) -> None:
+        """SIGKILL (no clean-up runs), then remove the shared-memory segment it could not unlink."""
+        assert self.proc is not None
+        name = httpx.get(self.url + "/v1/storage/handle").json()["name"]
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+        Path("/dev/shm", name).unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def get(self, path: str) -> Any:
+        return httpx.get(self.url + path, timeout=5).json()
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+def engine_env() -> dict[str, str | None]:
+    """What the engine's processes must (not) inherit: the tests' Triton interpreter stays in pytest."""
+    return {"TRITON_INTERPRET": None, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@contextmanager
+def environment(changes: dict[str, str | None]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in changes}
+    for k, v in changes.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def make_engine(model_dir: Path, sidecar_url: str | None, *, gpu_blocks: int = 80, **extra: Any) -> Any:
+    """A vLLM engine (its own prefix cache off) with the kvpool connector, or without when ``sidecar_url``
+    is None."""
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir), dtype="float32", block_size=BLOCK, max_model_len=2048, seed=0, enforce_eager=True,
+        num_gpu_blocks_override=gpu_blocks, enable_prefix_caching=False, gpu_memory_utilization=0.3,
+    )
+    if sidecar_url is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVPoolConnector", "kv_connector_module_path": CONNECTOR, "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"url": sidecar_url, "timeout_s": 1.0, **extra},
+        }
+    with environment(engine_env()):
+        return LLM(**kwargs)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def generate(llm: Any, tokens: list[int], *, params: dict[str, Any] | None = None, max_tokens: int = 12,
+             fresh: bool = False) -> tuple[list[int], int]:
+    """Greedy tokens and how many prompt tokens the engine did not compute. ``fresh``: the engine ignores
+    every cache (vLLM's skip_reading_prefix_cache): what it computes alone, the baseline."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_reading_prefix_cache=fresh or None,
+                        extra_args={"kv_transfer_params": params} if params else None)
+    out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)

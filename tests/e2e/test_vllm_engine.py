@@ -1,0 +1,151 @@
+"""vLLM serves from kvpool: a real engine, the KVPoolConnector, a real sidecar process (one engine per module).
+
+vLLM's own prefix cache is off, so every token the engine does not compute came from the pool. The
+baseline of each request is the same engine ignoring every cache (``skip_reading_prefix_cache``), i.e.
+what vLLM computes alone; greedy token ids are compared exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+if os.environ.get("KVPOOL_REQUIRE_ENGINE"):
+    import vllm  # noqa: F401  (make test: a missing engine is a failure, not a skip)
+else:
+    pytest.importorskip("vllm", reason="the engine tests need the vllm extra (make test installs it)")
+
+from engine_support import BLOCK, SidecarProcess, generate, make_engine, prompt
+from kvpool_sidecar.engines.tiny_model import build_tiny_model
+from kvpool_sidecar.storage import KVStorage
+
+PREFIX_BLOCKS = 12  # shared by the two requests of a pair: more than the 10 the issue asks for
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("engine")
+    model = build_tiny_model(folder / "model")
+    sidecar = SidecarProcess(folder)
+    sidecar.start()
+    llm = make_engine(model, sidecar.url)
+    try:
+        yield llm, sidecar
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        sidecar.stop()
+
+
+def pair(seed: int) -> tuple[list[int], list[int]]:
+    """Two prompts sharing PREFIX_BLOCKS full blocks, then differing."""
+    shared = prompt(seed, PREFIX_BLOCKS * BLOCK)
+    return shared + prompt(seed + 1, 45), shared + prompt(seed + 2, 37)
+
+
+def test_a_shared_prefix_is_loaded_from_kvpool_and_gives_the_same_tokens(stack):
+    llm, sidecar = stack
+    first, second = pair(100)
+    loaded_before = sidecar.metric('kvpool_connector_tokens_total{direction="loaded"}')
+    baseline, computed_alone = generate(llm, second, fresh=True)
+    assert computed_alone == 0
+    generate(llm, first)  # computes the prefix and saves it
+    tokens, from_pool = generate(llm, second)
+    assert from_pool >= PREFIX_BLOCKS * BLOCK
+    assert tokens == baseline
+    loaded = sidecar.metric('kvpool_connector_tokens_total{direction="loaded"}') - loaded_before
+    assert loaded >= PREFIX_BLOCKS * BLOCK  # the worker really copied them, as the sidecar's metrics say
+    assert sidecar.metric('kvpool_connector_tokens_total{direction="saved"}') > 0
+    assert sidecar.metric("kvpool_connector_lookup_seconds_count") > 0
+
+
+def test_b_altered_pages_change_the_tokens(stack):
+    """Negative control: the loaded KV is what the engine attends to."""
+    llm, sidecar = stack
+    first, _ = pair(200)
+    # Less than a block past the shared prefix: the altered run computes no new full block, so it saves
+    # nothing derived from the altered KV, and restoring the bytes restores the pool.
+    second = first[: PREFIX_BLOCKS * BLOCK] + prompt(203, 20)
+    baseline, _ = generate(llm, second, fresh=True)
+    generate(llm, first)
+    mapped = KVStorage.attach(sidecar.get("/v1/storage/handle"))
+    saved = mapped.kv.clone()
+    try:
+        mapped.kv.mul_(-1.0).add_(0.5)  # every cached page's bytes altered in the pool
+        tokens, from_pool = generate(llm, second)
+        assert from_pool >= PREFIX_BLOCKS * BLOCK
+        assert tokens != baseline
+    finally:
+        mapped.kv.copy_(saved)
+        mapped.close()
+    tokens, _ = generate(llm, second)
+    assert tokens == baseline  # restored bytes, right tokens again
+
+
+def test_c_the_engine_serves_through_a_sidecar_kill_and_uses_kvpool_again_after_restart(stack):
+    llm, sidecar = stack
+    first, second = pair(300)
+    baseline, _ = generate(llm, second, fresh=True)
+    sidecar.kill()
+    for tokens_in in (first, second, second):
+        tokens, from_pool = generate(llm, tokens_in)
+        assert from_pool == 0
+    assert generate(llm, second)[0] == baseline
+    sidecar.start()  # a new pool (new epoch): the worker must map it before copying anything
+    deadline = time.monotonic() + 30
+    from_pool = 0
+    while time.monotonic() < deadline and from_pool < PREFIX_BLOCKS * BLOCK:
+        generate(llm, first)
+        tokens, from_pool = generate(llm, second)
+        assert tokens == baseline
+        time.sleep(0.2)
+    assert from_pool >= PREFIX_BLOCKS * BLOCK, "the connector did not come back to the restarted sidecar"
+
+
+def test_d_a_policy_change_in_the_config_file_takes_effect_while_the_engine_runs(stack):
+    llm, sidecar = stack
+    first, second = pair(400)
+    alice, bob = {"tenant": "alice"}, {"tenant": "bob"}
+    generate(llm, first, params=alice)
+    assert generate(llm, second, params=bob)[1] == 0  # per-tenant isolation (the default)
+    old_hash = sidecar.get("/v1/config")["hash"]
+    sidecar.write_config({"pageSize": BLOCK, "eviction": {"policy": "fifo"}, "tenancy": {"isolation": "none"}})
+    deadline = time.monotonic() + 20
+    while sidecar.get("/v1/config")["hash"] == old_hash and time.monotonic() < deadline:
+        time.sleep(0.2)
+    view = sidecar.get("/v1/config")
+    assert view["config"]["tenancy"]["isolation"] == "none" and view["config"]["eviction"]["policy"] == "fifo"
+    try:
+        third, fourth = pair(450)
+        baseline, _ = generate(llm, fourth, fresh=True)
+        generate(llm, third, params=alice)
+        tokens, from_pool = generate(llm, fourth, params=bob)  # tenants now share: the new policy is live
+        assert from_pool >= PREFIX_BLOCKS * BLOCK and tokens == baseline
+    finally:
+        sidecar.write_config({"pageSize": BLOCK, "eviction": {"policy": "lru"}})
+        deadline = time.monotonic() + 20
+        while sidecar.get("/v1/config")["config"]["tenancy"]["isolation"] != "perTenant":
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+
+def test_e_two_tenants_with_the_same_prompt_never_share_pages(stack):
+    llm, sidecar = stack
+    same, _ = pair(500)
+    baseline, _ = generate(llm, same, fresh=True)
+    cached_before = sidecar.get("/v1/stats")["cached_pages"]
+    tokens_a, hit_a = generate(llm, same, params={"tenant": "acme"})
+    tokens_b, hit_b = generate(llm, same, params={"tenant": "globex"})
+    assert hit_a == 0 and hit_b == 0
+    assert tokens_a == tokens_b == baseline
+    pages = (len(same)) // BLOCK
+    assert sidecar.get("/v1/stats")["cached_pages"] - cached_before >= 2 * pages  # one copy per tenant
+    assert generate(llm, same, params={"tenant": "acme"})[1] >= PREFIX_BLOCKS * BLOCK  # each hits its own
+
+
+def test_connector_state_is_released_with_the_requests(stack):
+    _, sidecar = stack
+    time.sleep(0.3)  # the last release travels asynchronously
+    stats = sidecar.get("/v1/stats")
+    assert stats["sequences"] == 0 and stats["in_use_pages"] == 0
