@@ -125,6 +125,7 @@ class SidecarLink:
         self._lock = threading.Lock()  # guards report and the leftover releases
         self._queue: queue.SimpleQueue[tuple[dict[str, Any], Future] | None] = queue.SimpleQueue()
         self._leftover: list[str] = []
+        self.round_trips = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -181,7 +182,14 @@ class SidecarLink:
         cleanup = [{"op": "release", "seq_id": s} for s in leftover]
         start = time.perf_counter()
         try:
-            results = send_batch(self._client, cleanup + ops, report)
+            try:
+                results = send_batch(self._client, cleanup + ops, report)
+            except SidecarError as exc:
+                # The batch as a whole was refused (one op's body is invalid): send each op on its own,
+                # so that only the bad one fails (its error names the field).
+                results = [self._one(op, report if i == 0 else None) for i, op in enumerate(cleanup + ops)]
+                if not cleanup + ops:
+                    raise OpFailed(exc.error, exc.detail, exc.field) from None
         except Exception as exc:
             self.backoff.failed(exc)
             with self._lock:
@@ -195,6 +203,7 @@ class SidecarLink:
                 f.set_exception(error)
             return
         elapsed = time.perf_counter() - start
+        self.round_trips += 1
         self.backoff.succeeded()
         admits = sum(op["op"] == "admit" for op in ops)
         if admits:
@@ -205,6 +214,12 @@ class SidecarLink:
                 f.set_exception(result)
             else:
                 f.set_result(result)
+
+    def _one(self, op: dict[str, Any], report: dict[str, Any] | None) -> Any:
+        try:
+            return send_batch(self._client, [op], report)[0]
+        except SidecarError as exc:
+            return OpFailed(exc.error, exc.detail, exc.field.removeprefix("ops.0."))
 
     def _keep_releases(self, ops: list[dict[str, Any]], admits_too: bool = False) -> None:
         kinds = ("release", "admit") if admits_too else ("release",)
