@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1.7
-# Two images from one file:  docker build --target sidecar -t kvpool-sidecar .
-#                            docker build --target operator -t kvpool-operator .
+# Three images from one file:  docker build --target sidecar -t kvpool-sidecar .
+#                              docker build --target operator -t kvpool-operator .
+#                              docker build --target vllm -t vllm-kvpool .   (vLLM with the KV connector)
 # Both run as a non-root user on a pinned base. The sidecar takes torch as TORCH_SPEC says: the
 # default is the CPU build; a GPU image passes its own (e.g. a CUDA build of torch and triton).
 FROM python:3.11.10-slim-bookworm AS base
@@ -26,3 +27,10 @@ USER 10001:10001
 EXPOSE 8080
 ENTRYPOINT ["kvpool-operator"]
 CMD ["run", "--liveness-port", "8080"]
+
+# vLLM's own image plus the connector (kvpool_sidecar.engines.vllm): torch and vllm come from the base.
+FROM vllm/vllm-openai:v0.32.0 AS vllm
+COPY pyproject.toml README.md /opt/kvpool/
+COPY sidecar /opt/kvpool/sidecar
+COPY operator /opt/kvpool/operator
+RUN pip install --no-deps /opt/kvpool && pip install "httpx>=0.27" "pydantic>=2.6" "pyyaml>=6" && rm -rf /root/.cache

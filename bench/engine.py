@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import socket
 import statistics
 import subprocess
@@ -40,7 +39,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 BLOCK = 32
-TRACE_BLOCK = 512
 SHAPE = "2,1,64,float32"
 BYTES_PER_PAGE = 2 * 2 * BLOCK * 1 * 64 * 4  # layers x K/V x tokens x kv heads x head dim x fp32
 SYSTEMS = ("vllm", "lmcache-lru", "lmcache-arc", "kvpool-lru", "kvpool")
@@ -50,23 +48,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def block_tokens(hash_id: int) -> list[int]:
-    rng = random.Random(hash_id * 1_000_003 + 17)
-    return [rng.randrange(3, 512) for _ in range(BLOCK)]
-
-
-def trace_prompts(path: Path, start: int, count: int, max_blocks: int) -> list[tuple[float, list[int]]]:
-    rows = [json.loads(line) for line in path.open()][start : start + count]
-    t0 = rows[0]["timestamp"]
-    out = []
-    for row in rows:
-        ids = row["hash_ids"][:max_blocks]
-        tokens = [t for h in ids for t in block_tokens(h)]
-        length = min(len(tokens), max(1, -(-row["input_length"] * BLOCK // TRACE_BLOCK)))
-        out.append(((row["timestamp"] - t0) / 1000, tokens[:length]))
-    return out
 
 
 def wait_http(url: str, deadline: float = 60) -> None:
@@ -115,7 +96,11 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix=f"kvpool-bench-{system}-"))
     model = build_tiny_model(Path(args.model_dir))
-    prompts = trace_prompts(Path(args.trace), args.start, args.requests, args.max_blocks)
+    from kvpool_sidecar.replay import read_trace
+    from kvpool_sidecar.replay.engine_prompts import engine_prompts
+
+    prompts = engine_prompts(read_trace(args.trace), args.start, args.requests, block_size=BLOCK,
+                             max_blocks=args.max_blocks, vocab=512)
     services: list[subprocess.Popen] = []
     kv_transfer = None
     sidecar_url = None
@@ -153,7 +138,8 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         base_metrics = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
         rows = []
         start = time.monotonic()
-        for due, tokens in prompts:
+        for item in prompts:
+            due, tokens = item.timestamp, item.tokens
             wait = due / args.speedup - (time.monotonic() - start)
             if wait > 0:
                 time.sleep(wait)

@@ -1,13 +1,13 @@
-"""`make run`: the local stack in one command.
+"""`make run`: the real thing in one command, on this machine.
 
-Renders crds/examples/chat.yaml with the operator's own renderer, starts `kvpool-sidecar serve` with it
-on 127.0.0.1 (embedded CPU pool), replays the Mooncake chat trace into it over HTTP with a progress
-bar, prints the hit ratio per class and the /metrics and /docs URLs, and keeps serving until Ctrl-C.
+Renders crds/examples/chat.yaml with the operator's own renderer, starts `kvpool-sidecar serve` with
+it (an embedded shared CPU pool shaped for the tiny model), starts a tiny vLLM engine with the kvpool
+connector (its own prefix cache small), replays a slice of the Mooncake chat trace through the engine
+with a progress bar, prints what the engine took from kvpool, and keeps the sidecar serving until Ctrl-C.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -24,7 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "crds" / "examples" / "chat.yaml"
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 PORT = int(os.environ.get("KVPOOL_PORT", "8000"))
-BATCH = 32
+REQUESTS = int(os.environ.get("KVPOOL_REQUESTS", "400"))
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32: the pool's pages follow the engine's blocks
+SHAPE = "2,1,64,float32"  # the tiny model: layers, kv heads, head dim, dtype
+POOL_PAGES = 1500
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
 def main() -> int:
@@ -32,13 +39,13 @@ def main() -> int:
     rendered = subprocess.run([bindir / "kvpool-operator", "render", "-f", str(POLICY)], check=True,
                               capture_output=True, text=True).stdout
     config = yaml.safe_load(yaml.safe_load(rendered)["data"]["config.yaml"])
-    # The trace's blocks are 512 tokens: the pool's pages must be the same size to replay it.
-    config["pageSize"] = 512
+    config["pageSize"] = BLOCK
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-run-"))
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
-    print(f"rendered {POLICY.relative_to(ROOT)} with kvpool-operator render (pageSize 512, the trace's block size)")
+    print(f"rendered {POLICY.relative_to(ROOT)} with kvpool-operator render (pageSize {BLOCK}: the engine's block)")
     server = subprocess.Popen([bindir / "kvpool-sidecar", "serve", "--config", str(workdir / "config.yaml"),
-                               "--port", str(PORT), "--pages", "9139", "--log-level", "error"])
+                               "--port", str(PORT), "--pages", str(POOL_PAGES), "--kv-shape", SHAPE,
+                               "--log-level", "error"])
     url = f"http://127.0.0.1:{PORT}"
     try:
         for _ in range(300):
@@ -50,31 +57,9 @@ def main() -> int:
         else:
             print("the sidecar did not start", file=sys.stderr)
             return 1
-        rows = [json.loads(line) for line in TRACE.open()]
-        hits: dict[str, list[int]] = {}
-        with httpx.Client(base_url=url, timeout=60) as http, tqdm(total=len(rows), unit="req",
-                                                                   desc="replaying " + TRACE.name) as bar:
-            for start in range(0, len(rows), BATCH):
-                chunk = rows[start : start + BATCH]
-                admit = [{"op": "admit", "seq_id": f"r{start + i}", "block_hashes": r["hash_ids"],
-                          "num_tokens": r["input_length"]} for i, r in enumerate(chunk)]
-                answers = http.post("/v1/batch", json={"ops": admit}).json()["results"]
-                done = []
-                for i, (r, a) in enumerate(zip(chunk, answers, strict=True)):
-                    acc = hits.setdefault("toC", [0, 0])
-                    acc[1] += r["input_length"]
-                    if a["ok"]:
-                        acc[0] += a["result"]["num_cached_tokens"]
-                        done += [{"op": "commit", "seq_id": f"r{start + i}", "num_computed_tokens": r["input_length"]},
-                                 {"op": "release", "seq_id": f"r{start + i}"}]
-                if done:
-                    http.post("/v1/batch", json={"ops": done})
-                bar.update(len(chunk))
-        for klass, (hit, total) in hits.items():
-            print(f"token hit ratio, class {klass}: {hit / total:.4f} ({hit} of {total} prompt tokens from cache)")
-        print("(the trace's hour ran in seconds on the sidecar's own clock, so the time windows see one burst;"
-              " `kvpool-sidecar replay` replays on the trace's timestamps)")
-        print(f"metrics: {url}/metrics   API docs: {url}/docs   (serving until Ctrl-C)")
+        print(f"sidecar on {url}: {POOL_PAGES} pages of {BLOCK} tokens in shared memory")
+        replay_through_engine(url, workdir)
+        print(f"metrics: {url}/metrics   API docs: {url}/docs   (the sidecar serves until Ctrl-C)")
         server.wait()
     except KeyboardInterrupt:
         pass
@@ -85,5 +70,39 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def replay_through_engine(url: str, workdir: Path) -> None:
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from kvpool_sidecar.engines.tiny_model import build_tiny_model
+    from kvpool_sidecar.replay import read_trace
+    from kvpool_sidecar.replay.engine_prompts import engine_prompts
+
+    model = build_tiny_model(Path(tempfile.gettempdir()) / "kvpool-tiny-model")
+    prompts = engine_prompts(read_trace(TRACE), 0, REQUESTS, block_size=BLOCK, max_blocks=60, vocab=512)
+    print("starting a tiny vLLM engine with the kvpool connector (about 25 s) ...", flush=True)
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(model), dtype="float32", block_size=BLOCK, max_model_len=2048, seed=0, enforce_eager=True,
+              num_gpu_blocks_override=80, enable_prefix_caching=True, gpu_memory_utilization=0.3,
+              disable_log_stats=False,
+              kv_transfer_config={"kv_connector": "KVPoolConnector",
+                                  "kv_connector_module_path": "kvpool_sidecar.engines.vllm",
+                                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                                  "kv_connector_extra_config": {"url": url}})
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    total = computed = 0
+    for p in tqdm(prompts, unit="req", desc=f"replaying {TRACE.name} through vLLM"):
+        out = llm.generate([{"prompt_token_ids": p.tokens}], sp, use_tqdm=False)[0]
+        total += len(p.tokens)
+        computed += len(p.tokens) - int(out.num_cached_tokens or 0)
+    engine = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+    llm.llm_engine.engine_core.shutdown()
+    from_kvpool = int(engine.get("vllm:external_prefix_cache_hits", 0))
+    local = int(engine.get("vllm:prefix_cache_hits", 0))
+    text = httpx.get(url + "/metrics").text
+    print(f"{len(prompts)} prompts, {total} tokens: the engine computed {computed}, took {from_kvpool} from kvpool "
+          f"({from_kvpool / total:.1%}) and {local} from its own small cache")
+    saved = int(metric(text, 'kvpool_connector_tokens_total{direction="saved"}'))
+    loaded = int(metric(text, 'kvpool_connector_tokens_total{direction="loaded"}'))
+    print(f"kvpool: {saved} tokens saved, {loaded} loaded; the trace ran as fast as the engine could, "
+          "so its minutes took seconds")

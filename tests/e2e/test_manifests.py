@@ -139,3 +139,33 @@ def test_container_args_are_flags_the_cli_accepts():
                 assert args.command in ("serve", "router")
                 checked += 1
     assert checked == 2  # the inference pod's sidecar and the router
+
+
+def test_the_engine_is_wired_to_its_sidecar():
+    """vLLM loads the connector, pointed at the sidecar's port, with the policy's page size as its block
+    size, and both containers see the pool's shared memory."""
+    from kvpool_sidecar.cli import build_parser
+    from kvpool_sidecar.engines.settings import parse_settings
+    from kvpool_sidecar.service.server import parse_shape
+
+    docs = {doc["kind"]: doc for path, doc in documents() if path.name in ("inference.yaml", "policy.yaml")}
+    pod = docs["Deployment"]["spec"]["template"]["spec"]
+    engine = next(c for c in pod["containers"] if c["name"] == "vllm")
+    sidecar = next(c for c in pod["containers"] if c["name"] == "kvpool-sidecar")
+    args = engine["args"]
+    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert transfer["kv_connector"] == "KVPoolConnector" and transfer["kv_role"] == "kv_both"
+    assert transfer["kv_connector_module_path"] == "kvpool_sidecar.engines.vllm"
+    assert transfer["kv_load_failure_policy"] == "recompute"
+    settings = parse_settings(transfer["kv_connector_extra_config"])
+    served = build_parser().parse_args(sidecar["args"])
+    assert settings.url == f"http://127.0.0.1:{served.port}"
+    assert int(args[args.index("--block-size") + 1]) == docs["KVCachePolicy"]["spec"]["pageSize"]
+    shape = parse_shape(served.kv_shape)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for container in (engine, sidecar):
+        shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+    page_bytes = shape.bytes_per_page(docs["KVCachePolicy"]["spec"]["pageSize"])
+    limit = volumes[shm["name"]]["emptyDir"]["sizeLimit"]
+    assert served.pages * page_bytes <= int(limit.removesuffix("Gi")) * 2**30  # the pool fits its volume

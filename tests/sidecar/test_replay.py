@@ -155,3 +155,19 @@ def test_cli_synth_and_tune(tmp_path, capsys):
     grid = {"reuse": (0.5, 1.0), "locality": (0.0,), "timeWindow": (0.1,)}
     rows = tune.grid_search(read_trace(path), 0.05, grid=grid)
     assert len(rows) == 2 and rows[0].token_hit_ratio >= rows[1].token_hit_ratio
+
+
+def test_engine_prompts_share_tokens_exactly_where_the_trace_shares_ids():
+    from kvpool_sidecar.replay.engine_prompts import engine_prompts
+
+    lines = [json.dumps({"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": ids})
+             for t, n, ids in [(1000, 1100, [7, 8, 9]), (4000, 1500, [7, 8, 5]), (5000, 300, [7])]]
+    trace = parse_lines(lines, "t")
+    a, b, c = engine_prompts(trace, 0, 3, block_size=32, max_blocks=60, vocab=512)
+    assert (len(a.tokens), len(b.tokens), len(c.tokens)) == (69, 94, 19)  # input_length scaled by 32/512
+    assert a.tokens[:64] == b.tokens[:64] and a.tokens[64:69] != b.tokens[64:69]
+    assert c.tokens == a.tokens[:19]
+    assert (a.timestamp, b.timestamp) == (0.0, 3.0)
+    assert all(3 <= t < 512 for t in a.tokens + b.tokens)
+    capped = engine_prompts(trace, 0, 1, block_size=32, max_blocks=2, vocab=512)[0]
+    assert capped.tokens == a.tokens[:64]

@@ -80,10 +80,8 @@ class PageCopier:
     def __init__(self, layers: list[EngineLayer], backend: str | None = None) -> None:
         self.layers = layers
         self.num_layers = len(layers)
-        device = layers[0].rows.device
-        self.device = device
         self._kernels: Any = reference
-        if choose_backend(device, backend) is not Backend.TORCH:
+        if choose_backend(layers[0].rows.device, backend) is not Backend.TORCH:
             from kvpool_sidecar.storage import kernels
 
             self._kernels = kernels
@@ -97,16 +95,23 @@ class PageCopier:
         block_t = torch.tensor(blocks, dtype=torch.int64)
         pool_ids = torch.cat([(page_t * self.num_layers + li) * layer.parts + j for j in range(layer.parts)])
         engine_ids = torch.cat([j * n_blocks + block_t for j in range(layer.parts)])
-        return pool_ids.to(self.device), engine_ids.to(self.device)
+        return pool_ids, engine_ids
+
+    def _move(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
+        if src.device == dst.device:
+            self._kernels.move_rows(src, src_ids.to(src.device), dst, dst_ids.to(dst.device))
+        else:  # a pool in host shared memory beside an engine on a GPU: one gather, one transfer, one scatter
+            rows = src.index_select(0, src_ids.to(src.device)).to(dst.device)
+            dst.index_copy_(0, dst_ids.to(dst.device), rows)
 
     def load(self, pool_kv: torch.Tensor, pages: list[int], blocks: list[int]) -> None:
         """Pool pages -> engine blocks, every layer."""
         for li, layer in enumerate(self.layers):
             pool_ids, engine_ids = self._row_ids(pages, blocks, li, layer)
-            self._kernels.move_rows(self._pool_rows(pool_kv, layer.parts), pool_ids, layer.rows, engine_ids)
+            self._move(self._pool_rows(pool_kv, layer.parts), pool_ids, layer.rows, engine_ids)
 
     def save(self, pool_kv: torch.Tensor, blocks: list[int], pages: list[int]) -> None:
         """Engine blocks -> pool pages, every layer."""
         for li, layer in enumerate(self.layers):
             pool_ids, engine_ids = self._row_ids(pages, blocks, li, layer)
-            self._kernels.move_rows(layer.rows, engine_ids, self._pool_rows(pool_kv, layer.parts), pool_ids)
+            self._move(layer.rows, engine_ids, self._pool_rows(pool_kv, layer.parts), pool_ids)
