@@ -38,6 +38,7 @@ class Forked:
 class SidecarClient:
     def __init__(self, base_url: str, *, token: str | None = None, timeout: float = 10.0) -> None:
         headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.base_url, self.token, self.timeout = base_url, token, timeout
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from kvpool_sidecar.client import SidecarClient, SidecarError
 log = logging.getLogger("kvpool.engine")
 MAX_BATCH = 4096  # the API's limit on ops per batch
 MAX_LEFTOVER_RELEASES = 65_536  # sequences a failed round trip may have left admitted, to release later
+REPORT_EVERY = 1.0  # seconds idle after which a pending report is sent on its own
 
 
 class SidecarDown(ConnectionError):
@@ -155,7 +156,15 @@ class SidecarLink:
     # ----------------------------------------------------------------------------- the thread
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=REPORT_EVERY)
+            except queue.Empty:
+                # Idle: a pending report goes on its own (nothing else would carry it).
+                with self._lock:
+                    due = not self.report.empty() or bool(self._leftover)
+                if due and self.backoff.available():
+                    self._send([], [])
+                continue
             if item is None:
                 return
             batch = [item]
@@ -183,13 +192,13 @@ class SidecarLink:
         start = time.perf_counter()
         try:
             try:
-                results = send_batch(self._client, cleanup + ops, report)
-            except SidecarError as exc:
+                results = send_batch(self._client, cleanup + ops, report) if cleanup or ops or report else []
+            except SidecarError:
+                if not cleanup + ops:
+                    raise
                 # The batch as a whole was refused (one op's body is invalid): send each op on its own,
                 # so that only the bad one fails (its error names the field).
                 results = [self._one(op, report if i == 0 else None) for i, op in enumerate(cleanup + ops)]
-                if not cleanup + ops:
-                    raise OpFailed(exc.error, exc.detail, exc.field) from None
         except Exception as exc:
             self.backoff.failed(exc)
             with self._lock:

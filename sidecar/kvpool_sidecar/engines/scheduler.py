@@ -99,13 +99,11 @@ class SchedulerSide:
             req = None
         if req is None:
             req = self._admit(req_id, block_hashes, prompt_len, params)
-            wait = self.lookup_wait
-        else:
-            wait = 0.0
         req.local_tokens = local_tokens
         if req.future is not None:
             try:
-                result = req.future.result(timeout=wait)
+                # Waiting (not polling) also lets the link's thread take the GIL from a busy engine loop.
+                result = req.future.result(timeout=self.lookup_wait)
             except FutureTimeout:
                 return None
             except (SidecarDown, OpFailed) as exc:

@@ -4,38 +4,42 @@ Safety rules (a wrong KV page is a wrong answer):
 * every job names the storage epoch its page ids came from; the worker copies only into and out of a
   mapping of that epoch (re-mapping when the sidecar restarted), else the job fails: a failed load is
   reported so the engine recomputes those blocks, a failed save is simply not committed;
-* a save is committed (made visible to other requests) only after its copy is complete.
+* a save is committed (made visible to other requests) only after its copy is complete. The commit
+  itself travels asynchronously (a :class:`~.link.SidecarLink`): a commit that arrives after its
+  request was released, or at a restarted sidecar, is refused by the sidecar, which is harmless.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any
 
 from kvpool_sidecar.client import SidecarClient, SidecarError
 from kvpool_sidecar.engines.blocks import EngineLayer, LayoutError, PageCopier, check_compatible
-from kvpool_sidecar.engines.link import Backoff, OpFailed, Report, SidecarDown, send_batch
+from kvpool_sidecar.engines.link import Backoff, Report, SidecarDown, SidecarLink
 from kvpool_sidecar.engines.scheduler import LoadJob, SaveJob
 from kvpool_sidecar.storage import KVStorage, StaleHandle
 from kvpool_sidecar.storage.tensors import AttachedKV
 
 log = logging.getLogger("kvpool.engine")
-REPORT_EVERY = 1.0  # seconds: a report with no commit to ride on is sent on its own at most this often
 
 
 class WorkerSide:
     def __init__(self, client: SidecarClient, layers: list[EngineLayer], block_size: int, *,
-                 backend: str | None = None, backoff: Backoff | None = None) -> None:
+                 backend: str | None = None, backoff: Backoff | None = None, link: SidecarLink | None = None) -> None:
         self.client = client
         self.layers = layers
         self.block_size = block_size
         self.copier = PageCopier(layers, backend)
         self.backoff = backoff or Backoff("sidecar (worker)")
-        self.report = Report()
+        # Commits and reports: batched, off the forward path. Shares the backoff with the mapping.
+        self.link = link or SidecarLink(str(client.base_url), token=client.token, timeout=client.timeout,
+                                        backoff=self.backoff, name="kvpool-worker-link")
         self._mapped: AttachedKV | None = None
         self._incompatible: str | None = None
-        self._last_report = time.monotonic()
+
+    @property
+    def report(self) -> Report:
+        return self.link.report
 
     # ----------------------------------------------------------------------------- mapping
     def attach(self, *, strict: bool) -> None:
@@ -98,11 +102,11 @@ class WorkerSide:
     def load(self, jobs: list[LoadJob]) -> set[int]:
         """Copy every job's pages into its blocks; returns the blocks that could not be loaded."""
         failed: set[int] = set()
+        loaded = 0
         for job in jobs:
             mapped = self._mapping(job.epoch)
             if mapped is None:
                 failed.update(job.blocks)
-                self.report.fail("load")
                 continue
             try:
                 self.copier.load(mapped.kv, job.pages, job.blocks)
@@ -110,57 +114,43 @@ class WorkerSide:
             except (StaleHandle, RuntimeError, IndexError) as exc:
                 log.warning("kvpool: loading %d pages for %s failed (%s): recomputing", len(job.pages), job.req_id, exc)
                 failed.update(job.blocks)
-                self.report.fail("load")
                 continue
-            self.report.loaded_tokens += len(job.pages) * self.block_size
+            loaded += len(job.pages) * self.block_size
+        failures = sum(1 for job in jobs if failed.intersection(job.blocks))
+
+        def count(report: Report) -> None:
+            report.loaded_tokens += loaded
+            if failures:
+                report.fail("load", failures)
+
+        self.link.record(count)
         return failed
 
     def save(self, jobs: list[SaveJob]) -> None:
-        """Copy each job's blocks into its pages, then commit them in one round trip."""
-        commits: list[dict[str, Any]] = []
-        saved: list[int] = []
+        """Copy each job's blocks into its pages, then commit them (asynchronously, one batch)."""
         for job in jobs:
             mapped = self._mapping(job.epoch)
             if mapped is None:
-                self.report.fail("save")
+                self.link.record(lambda r: r.fail("save"))
                 continue
             try:
                 self.copier.save(mapped.kv, job.blocks, job.pages)
             except (RuntimeError, IndexError) as exc:
                 log.warning("kvpool: saving %d pages of %s failed (%s)", len(job.pages), job.req_id, exc)
-                self.report.fail("save")
+                self.link.record(lambda r: r.fail("save"))
                 continue
-            commits.append({"op": "commit", "seq_id": job.seq_id, "num_computed_tokens": job.commit_tokens})
-            saved.append(len(job.pages) * self.block_size)
-        self._flush(commits, saved)
-
-    def _flush(self, commits: list[dict[str, Any]], saved: list[int]) -> None:
-        due = time.monotonic() - self._last_report >= REPORT_EVERY and not self.report.empty()
-        if not commits and not due:
-            return
-        if not self.backoff.available():
-            if commits:
-                self.report.fail("save", len(commits))
-            return
-        report = self.report.take()
-        try:
-            results = send_batch(self.client, commits, report)
-        except (SidecarDown, SidecarError) as exc:
-            self.backoff.failed(exc)
-            if report is not None:
-                self.report.merge(report)
-            self.report.fail("save", len(commits))
-            return
-        self.backoff.succeeded()
-        self._last_report = time.monotonic()
-        for result, tokens in zip(results, saved, strict=True):
-            if isinstance(result, OpFailed):
-                self.report.fail("save")  # e.g. the request was released, or the sidecar restarted
-            else:
-                self.report.saved_tokens += tokens
+            future = self.link.submit({"op": "commit", "seq_id": job.seq_id, "num_computed_tokens": job.commit_tokens})
+            tokens = len(job.pages) * self.block_size
+            future.add_done_callback(lambda f, n=tokens: self.link.record(
+                (lambda r: r.fail("save")) if f.exception() is not None else (lambda r: _add_saved(r, n))))
 
     def close(self) -> None:
+        self.link.close()
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
         self.client.close()
+
+
+def _add_saved(report: Report, tokens: int) -> None:
+    report.saved_tokens += tokens
