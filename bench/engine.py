@@ -73,11 +73,14 @@ def wait_port(port: int, deadline: float = 60) -> None:
     raise RuntimeError(f"port {port} did not open")
 
 
-def kvpool_config(policy: str, speedup: float) -> dict:
-    # The defaults' windows and decay rates, on the replay's faster clock.
-    return {"pageSize": BLOCK, "eviction": {"policy": policy},
+def kvpool_config(policy: str, speedup: float, extra: dict) -> dict:
+    """The defaults, but: the windows and decay rates on the replay's faster clock; no to-B partition (the
+    trace is all chat: the default 30 % would stay empty, a third of the bytes unused); no auto-pin
+    (pins are an operator's choice, which LMCache does not offer: the comparison is of caches)."""
+    return {"pageSize": BLOCK, "eviction": {"policy": policy}, "pinning": {"autoPin": {"enabled": False}},
             "workloads": {"toC": {"timeWindow": f"{int(600_000 / speedup)}ms", "decayPerMinute": 0.15 * speedup},
-                          "toB": {"timeWindow": f"{int(10_000 / speedup)}ms", "decayPerMinute": 6.0 * speedup}}}
+                          "toB": {"timeWindow": f"{int(10_000 / speedup)}ms", "decayPerMinute": 6.0 * speedup,
+                                  "isolationPercent": 0}}, **extra}
 
 
 def metric_total(text: str, name: str) -> float:
@@ -107,7 +110,8 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
     bindir = Path(sys.executable).parent
     if system.startswith("kvpool"):
         policy = "lru" if system == "kvpool-lru" else "workload_aware"
-        (work / "config.yaml").write_text(yaml.safe_dump(kvpool_config(policy, args.speedup)))
+        (work / "config.yaml").write_text(yaml.safe_dump(kvpool_config(policy, args.speedup,
+                                                                       json.loads(args.kvpool_config))))
         port = free_port()
         services.append(subprocess.Popen(
             [bindir / "kvpool-sidecar", "serve", "--port", str(port), "--pages", str(args.pool_pages),
@@ -161,6 +165,12 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
             result["lookup_mean_s"] = (metric_total(text, "kvpool_connector_lookup_seconds_sum")
                                        / max(1.0, metric_total(text, "kvpool_connector_lookup_seconds_count")))
             result["kvpool_loaded"] = metric_total(text, 'kvpool_connector_tokens_total{direction="loaded"}')
+            stats = httpx.get(sidecar_url + "/v1/stats").json()
+            result["kvpool_stats"] = {k: stats[k] for k in ("pinned_pages", "free_pages", "cached_pages", "evictions",
+                                                            "token_hit_ratio")}
+            result["kvpool_evicted"] = {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+                                        for line in text.splitlines()
+                                        if line.startswith("kvpool_evicted_pages_total{") and not line.endswith(" 0.0")}
         llm.llm_engine.engine_core.shutdown()
         return result
     finally:
@@ -210,7 +220,8 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
               f"{same:>6}/{n:<3}{cost * 1e3:>8.2f}ms{saved * 1e3:>9.2f}ms")
         if "lookup_mean_s" in r:
             print(f"{'':<12}kvpool's own figures: lookup round trip {r['lookup_mean_s'] * 1e3:.2f} ms mean, "
-                  f"{int(r['kvpool_loaded'])} tokens copied in")
+                  f"{int(r['kvpool_loaded'])} tokens copied in;")
+            print(f"{'':<12}pool at the end {r['kvpool_stats']}; evicted {r['kvpool_evicted']}")
 
 
 def main() -> int:
@@ -224,6 +235,7 @@ def main() -> int:
     parser.add_argument("--speedup", type=float, default=4.0)
     parser.add_argument("--lmcache-chunk", type=int, default=BLOCK)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--kvpool-config", default="{}", help="JSON merged into kvpool's config (top-level keys)")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "kvpool-tiny-model"))
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
