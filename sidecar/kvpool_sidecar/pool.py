@@ -628,9 +628,11 @@ class PagePool:
         cap = self._caps[part]
         pages: list[int] = []
         expired = victims = 0
+        cascaded = [0, 0]  # descendants taken along, by their partition (a hit can cross partitions)
         while True:
             if self._first_child[page] != NO_PAGE:
-                self._evict_descendants(page)
+                for p in self._evict_descendants(page):
+                    cascaded[self._part[p]] += 1
             if now - self._last[page] > window:
                 expired += 1
             self._drop(page)  # freed, then taken back below with the pages its descendants freed
@@ -648,6 +650,8 @@ class PagePool:
             self._ref[page] = 1
         self._count_evictions(part, "expired", expired)
         self._count_evictions(part, "capacity", victims - expired)
+        for other, n in enumerate(cascaded):  # evicted to make room, whatever their age
+            self._count_evictions(other, "capacity", n)
         return pages
 
     def _count_evictions(self, part: int, reason: str, pages: int) -> None:
@@ -666,8 +670,8 @@ class PagePool:
         self._count_evictions(part, reason, freed)
         return freed
 
-    def _evict_descendants(self, page: int) -> None:
-        """Descendants of an evicted page are unreachable: evict them too, leaves first (I4)."""
+    def _evict_descendants(self, page: int) -> list[int]:
+        """Descendants of an evicted page are unreachable: evict them too, leaves first (I4); returns them."""
         stack = [page]
         order: list[int] = []
         while stack:
@@ -680,6 +684,7 @@ class PagePool:
         for p in reversed(order):
             self._policies[self._part[p]].evict(p)
             self._drop(p)
+        return order
 
     def _drop(self, page: int) -> None:
         """Remove an evictable page from the index and the tree and free it."""
@@ -1198,6 +1203,7 @@ class PagePool:
             assert seq.published * self.page_size <= seq.num_computed, f"I2: {seq.seq_id} published early"
         assert refs == self._ref, "I1: refcounts differ from the sequences' page tables"
         assert self._in_use == sum(1 for r in refs if r), "in-use page count drifted"
+        assert sum(self.evictions_by.values()) == self.evictions, "evictions by reason do not sum to the evictions"
         assert (slots, used) == (self._alloc_slots, self._used_slots), "fragmentation accounting drifted"
         pin_counts = [0] * n
         for record in self._pin_records.values():
