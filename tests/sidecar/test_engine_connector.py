@@ -112,6 +112,26 @@ def test_an_unreachable_sidecar_costs_no_wait_and_is_retried_with_backoff(caplog
     link.close()
 
 
+def test_a_step_waits_on_lookups_for_lookup_wait_in_all():
+    import socket
+
+    with socket.socket() as hung:  # accepts connections (the kernel's backlog), never answers
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)
+        link = SidecarLink(f"http://127.0.0.1:{hung.getsockname()[1]}", timeout=5)
+        side = SchedulerSide(link, PS, lookup_wait=0.02)
+        start = time.perf_counter()
+        answers = [side.matched_tokens(f"r{i}", hashes(3, f"p{i}"), 13, 0, None) for i in range(20)]
+        elapsed = time.perf_counter() - start
+        assert answers == [None] * 20  # ask again next step
+        assert elapsed < 0.1  # 20 ms for the whole step, not 20 ms per request (400 ms)
+        side.plan([])  # the next step has a fresh budget
+        start = time.perf_counter()
+        assert side.matched_tokens("r0", hashes(3, "p0"), 13, 0, None) is None
+        assert 0.015 < time.perf_counter() - start < 0.1
+        link.close(timeout=0.1)
+
+
 def test_a_refused_admission_serves_the_request_without_the_pool(caplog):
     with live_sidecar(CONFIG, pages=64, storage=KVStorage(SHAPE, PS, pages=64, shared=True)) as (url, _):
         link = SidecarLink(url)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ class SchedulerSide:
         self.lookup_wait = lookup_wait
         self.default_meta = dict(default_meta or {})
         self._requests: dict[str, _Request] = {}
+        self._wait_until: float | None = None  # the step's waiting budget: lookup_wait in all, not per request
         self._ids = itertools.count()
         self._prefix = f"vllm-{secrets.token_hex(4)}"
 
@@ -101,9 +103,12 @@ class SchedulerSide:
             req = self._admit(req_id, block_hashes, prompt_len, params)
         req.local_tokens = local_tokens
         if req.future is not None:
+            now = time.monotonic()
+            if self._wait_until is None:
+                self._wait_until = now + self.lookup_wait
             try:
                 # Waiting (not polling) also lets the link's thread take the GIL from a busy engine loop.
-                result = req.future.result(timeout=self.lookup_wait)
+                result = req.future.result(timeout=max(0.0, self._wait_until - now))
             except FutureTimeout:
                 return None
             except (SidecarDown, OpFailed) as exc:
@@ -152,6 +157,7 @@ class SchedulerSide:
     def plan(self, scheduled: list[tuple[str, list[int] | None, bool, int, int]]) -> StepPlan:
         """``scheduled``: (req_id, block ids: all when ``replace`` else the new ones or None, replace,
         tokens computed before this step, tokens scheduled in it), for every request in the step."""
+        self._wait_until = None  # the engine builds the plan once per step, after every lookup of it
         plan = StepPlan()
         bs = self.block_size
         for req_id, block_ids, replace, computed, scheduled_tokens in scheduled:
