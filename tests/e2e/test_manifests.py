@@ -96,7 +96,12 @@ def test_promtool_accepts_the_alert_rules(tmp_path):
     proc = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     alerts = [r for g in rule_groups()["groups"] for r in g["rules"] if "alert" in r]
-    assert len(alerts) == 7 and all(r["annotations"].get("runbook") for r in alerts)
+    assert len(alerts) == 8 and all(r["annotations"].get("runbook") for r in alerts)
+    headings = {re.sub(r"[^a-z0-9 -]", "", line[3:].lower()).replace(" ", "-")
+                for line in (ROOT / "docs" / "troubleshooting.md").read_text().splitlines() if line.startswith("## ")}
+    for alert in alerts:  # every runbook link lands on a section
+        anchor = alert["annotations"]["runbook"].split("#", 1)[1].split(":", 1)[0]
+        assert anchor in headings, f"{alert['alert']}: no section #{anchor} in docs/troubleshooting.md"
 
 
 def exported_metric_names() -> set[str]:
