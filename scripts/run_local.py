@@ -34,7 +34,12 @@ def metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # a SIGTERM stops the sidecar too, as Ctrl-C does
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     bindir = Path(sys.executable).parent
     rendered = subprocess.run([bindir / "kvpool-operator", "render", "-f", str(POLICY)], check=True,
                               capture_output=True, text=True).stdout
@@ -73,6 +78,7 @@ def main() -> int:
 def replay_through_engine(url: str, workdir: Path) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from kvpool_sidecar.engines.tiny_model import build_tiny_model
     from kvpool_sidecar.replay import read_trace
     from kvpool_sidecar.replay.engine_prompts import engine_prompts
@@ -106,3 +112,7 @@ def replay_through_engine(url: str, workdir: Path) -> None:
     loaded = int(metric(text, 'kvpool_connector_tokens_total{direction="loaded"}'))
     print(f"kvpool: {saved} tokens saved, {loaded} loaded; the trace ran as fast as the engine could, "
           "so its minutes took seconds")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
