@@ -16,6 +16,9 @@ from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.service.app import create_app
 from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import KVStorage
+from kvpool_sidecar.storage.transfer import TransferKeys
+
+CLUSTER_KEYS = TransferKeys.parse("k1 " + "s" * 40)  # the tests' cluster key (page transfer)
 
 
 def free_port() -> int:
@@ -28,13 +31,13 @@ def free_port() -> int:
 def live_sidecar(
     config: SidecarConfig | None = None, *, pages: int = 256, config_path: Path | None = None,
     token: str | None = None, poll_interval: float = 0.1, pre_evict_interval: float = 0.0,
-    storage: KVStorage | None = None,
+    storage: KVStorage | None = None, transfer_keys: TransferKeys | None = None,
 ) -> Iterator[tuple[str, Sidecar]]:
     if config is None:
         config = load_config(config_path) if config_path else SidecarConfig.model_validate(
             {"pageSize": 4, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}}}
         )
-    sidecar = Sidecar(config, pages, config_path=config_path, storage=storage)
+    sidecar = Sidecar(config, pages, config_path=config_path, storage=storage, transfer_keys=transfer_keys)
     sidecar.mark_config_file_read()
     app = create_app(sidecar, token=token, poll_interval=poll_interval, pre_evict_interval=pre_evict_interval)
     with live_app(app) as url:

@@ -87,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ServeOptions(
             config=args.config, host=args.host, port=args.port, pages=args.pages, token_file=args.token_file,
             metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_level=args.log_level,
-            kv_shape=args.kv_shape,
+            kv_shape=args.kv_shape, transfer_key_file=args.transfer_key_file,
         )
     )
     return 0
@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--metrics-port", type=_port, help="serve /metrics on its own port instead of the API's")
     srv.add_argument("--kv-shape", help="allocate the KV tensors too: layers,kv_heads,head_dim[,dtype] "
                      "(shared with the engine: GET /v1/storage/handle)")
+    srv.add_argument("--transfer-key-file", help="cluster keys (lines 'KEY_ID SECRET', the signing key first) that "
+                     "sign exported pages and verify imported ones; without it page transfer is refused")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.set_defaults(func=cmd_serve)
 

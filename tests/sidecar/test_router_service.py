@@ -176,15 +176,17 @@ def test_kubernetes_membership_follows_the_policys_serving_pods():
 def test_a_hot_prefix_warms_its_replica_from_the_owner():
     from kvpool_sidecar.client import SidecarClient
     from kvpool_sidecar.storage import KVStorage, ModelShape
-    from support import live_sidecar
+    from support import CLUSTER_KEYS, live_sidecar
 
     sidecar_config = SidecarConfig.model_validate(
         {"pageSize": 4, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}}}
     )
     shape = ModelShape(1, 1, 4, "float32")
     prompt = list(range(50, 66))
-    with live_sidecar(sidecar_config, pages=16, storage=KVStorage(shape, 4, pages=16)) as (url_a, a), \
-            live_sidecar(sidecar_config, pages=16, storage=KVStorage(shape, 4, pages=16)) as (url_b, b):
+    with live_sidecar(sidecar_config, pages=16, storage=KVStorage(shape, 4, pages=16),
+                      transfer_keys=CLUSTER_KEYS) as (url_a, a), \
+            live_sidecar(sidecar_config, pages=16, storage=KVStorage(shape, 4, pages=16),
+                         transfer_keys=CLUSTER_KEYS) as (url_b, b):
         config = {"pageSize": 4, "routing": {"prefixPages": 1, "hotPrefixQPS": 0.01, "replicas": 1, "loadFactor": 10}}
         members = {"a": Endpoint("http://engine-a", url_a), "b": Endpoint("http://engine-b", url_b)}
         service = RouterService(SidecarConfig.model_validate(config), StaticMembership(members),

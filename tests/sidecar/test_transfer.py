@@ -12,7 +12,7 @@ from kvpool_sidecar.client import TRANSFER_CONTENT_TYPE, SidecarClient, SidecarE
 from kvpool_sidecar.config import SidecarConfig
 from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import KVStorage, ModelShape, transfer
-from support import live_sidecar
+from support import CLUSTER_KEYS, live_sidecar
 
 PAGE = 4
 SHAPE = ModelShape(layers=2, kv_heads=2, head_dim=4, dtype="float16")
@@ -50,8 +50,8 @@ def same_state(a: tuple, b: tuple) -> bool:
 
 @pytest.fixture
 def pair() -> Iterator[tuple[str, Sidecar, str, Sidecar]]:
-    with live_sidecar(CONFIG, pages=32, storage=storage(32)) as (url_a, a), \
-            live_sidecar(CONFIG, pages=32, storage=storage(32)) as (url_b, b):
+    with live_sidecar(CONFIG, pages=32, storage=storage(32), transfer_keys=CLUSTER_KEYS) as (url_a, a), \
+            live_sidecar(CONFIG, pages=32, storage=storage(32), transfer_keys=CLUSTER_KEYS) as (url_b, b):
         yield url_a, a, url_b, b
 
 
@@ -86,10 +86,24 @@ def test_a_partly_cached_prefix_imports_only_its_missing_pages(pair):
         assert dst.lookup(PROMPT) == 16
 
 
-def _tamper(payload: bytes, **changes: object) -> bytes:
-    header, data = transfer.decode(payload)
+def _tamper(payload: bytes, keys: transfer.TransferKeys = CLUSTER_KEYS, **changes: object) -> bytes:
+    """The payload changed and signed again with ``keys`` (by default the cluster's: a peer that holds
+    the key but sends a wrong header, which the checks behind the signature must still catch)."""
+    header, data = transfer.decode(payload, CLUSTER_KEYS)
     header = header.model_copy(update=changes)
-    return transfer.encode(header, torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    return transfer.encode(header, torch.frombuffer(bytearray(data), dtype=torch.uint8), keys)
+
+
+def _edit_header(payload: bytes, old: bytes, new: bytes) -> bytes:
+    """Change the header's bytes in transit, keeping the signature (a forger without the key)."""
+    at = payload.index(b'{"version"')
+    head_len = int.from_bytes(payload[at - 4 : at], "little")
+    head = payload[at : at + head_len].replace(old, new)
+    assert head != payload[at : at + head_len]
+    return payload[: at - 4] + len(head).to_bytes(4, "little") + head + payload[at + head_len :]
+
+
+ATTACKER = transfer.TransferKeys.parse("k1 " + "a" * 40)  # the cluster's key id, not its secret
 
 
 @pytest.mark.parametrize(
@@ -98,12 +112,17 @@ def _tamper(payload: bytes, **changes: object) -> bytes:
         (lambda p: p[:-1] + bytes([p[-1] ^ 1]), 400, "corrupt_payload", "header.sha256"),
         (lambda p: p[:-8], 400, "corrupt_payload", "body"),
         (lambda p: b"garbage!" + p[8:], 400, "corrupt_payload", "body"),
-        (lambda p: p[:12] + b"[" + p[13:], 400, "corrupt_payload", "header"),
+        (lambda p: p[:12] + b"[" + p[13:], 403, "bad_signature", "signature"),
+        (lambda p: _tamper(p, keys=ATTACKER), 403, "bad_signature", "signature"),  # forged
+        (lambda p: _tamper(p, keys=transfer.TransferKeys.parse("k9 " + "s" * 40)), 403, "unknown_key", "key_id"),
+        (lambda p: _edit_header(p, b'"tenant":"default"', b'"tenant":"acme"'), 403, "bad_signature", "signature"),
+        (lambda p: _tamper(p, issued_at=p and 1.0), 403, "expired_payload", "header.issued_at"),  # a replay
         (lambda p: _tamper(p, tokens=[7] * 16), 400, "hash_mismatch", "header.keys"),
         (lambda p: _tamper(p, meta=transfer.WireMeta(tenant="other")), 400, "hash_mismatch", "header.keys"),
         (lambda p: _tamper(p, page_size=2, num_tokens=8, tokens=PROMPT[:8]), 409, "incompatible_payload",
          "header.page_size"),
         (lambda p: _tamper(p, pages=3), 400, "corrupt_payload", "header"),  # breaks pages = len(keys)
+        (lambda p: _tamper(p, sha256="0" * 64), 400, "corrupt_payload", "header.sha256"),
     ],
 )
 def test_a_bad_import_is_refused_and_changes_nothing(pair, mangle, status: int, error: str, field: str):
@@ -122,8 +141,9 @@ def test_a_bad_import_is_refused_and_changes_nothing(pair, mangle, status: int, 
 
 
 def test_an_import_into_another_model_shape_is_refused():
-    with live_sidecar(CONFIG, pages=32, storage=storage(32)) as (url_a, a), \
-            live_sidecar(CONFIG, pages=32, storage=storage(32, ModelShape(2, 2, 8, "float16"))) as (url_b, b):
+    with live_sidecar(CONFIG, pages=32, storage=storage(32), transfer_keys=CLUSTER_KEYS) as (url_a, a), \
+            live_sidecar(CONFIG, pages=32, storage=storage(32, ModelShape(2, 2, 8, "float16")),
+                         transfer_keys=CLUSTER_KEYS) as (url_b, b):
         fill(url_a, a, "s1", PROMPT)
         before = state(b)
         with SidecarClient(url_a) as src, SidecarClient(url_b) as dst, pytest.raises(SidecarError) as err:
@@ -133,9 +153,9 @@ def test_an_import_into_another_model_shape_is_refused():
 
 
 def test_oversized_and_unfitting_imports_are_refused_unchanged():
-    with live_sidecar(CONFIG, pages=32, storage=storage(32)) as (url_a, a), \
-            live_sidecar(CONFIG, pages=3, storage=storage(3)) as (url_small, small), \
-            live_sidecar(CONFIG, pages=6, storage=storage(6)) as (url_busy, busy):
+    with live_sidecar(CONFIG, pages=32, storage=storage(32), transfer_keys=CLUSTER_KEYS) as (url_a, a), \
+            live_sidecar(CONFIG, pages=3, storage=storage(3), transfer_keys=CLUSTER_KEYS) as (url_small, small), \
+            live_sidecar(CONFIG, pages=6, storage=storage(6), transfer_keys=CLUSTER_KEYS) as (url_busy, busy):
         fill(url_a, a, "s1", PROMPT)
         with SidecarClient(url_a) as src:
             payload = src.export_pages(PROMPT)
@@ -176,3 +196,57 @@ def test_block_hash_prompts_transfer_too(pair):
         result = dst.import_pages(src.export_pages(block_hashes=hashes, num_tokens=12))
         assert result["imported_pages"] == 3 and dst.lookup(block_hashes=hashes, num_tokens=12) == 12
     assert len(adm.page_ids) == 3
+
+
+def test_forged_pages_never_reach_a_tenant():
+    """The cache-poisoning attack of issue 21: keys computed by the caller, filler KV, its own sha256."""
+    import hashlib
+
+    from kvpool_sidecar.pool import chain_token_keys, tenant_salt
+
+    with live_sidecar(CONFIG, pages=32, storage=storage(32), transfer_keys=CLUSTER_KEYS) as (url, side):
+        keys = chain_token_keys(PROMPT, PAGE, tenant_salt("acme"))
+        filler = torch.full((4, SHAPE.bytes_per_page(PAGE) // 2), 7.0, dtype=torch.float16)
+        raw = transfer.kv_bytes(filler)
+        header = transfer.TransferHeader(
+            page_size=PAGE, shape=transfer.WireShape(layers=2, kv_heads=2, head_dim=4, dtype="float16"), pages=4,
+            keys=[transfer.key_text(k) for k in keys], tokens=PROMPT[:16], num_tokens=16,
+            meta=transfer.WireMeta(tenant="acme"), sha256=hashlib.sha256(raw).hexdigest())
+        before = state(side)
+        with SidecarClient(url) as client:
+            for forged in (transfer.encode(header, raw, ATTACKER),
+                           transfer.MAGIC[:-1] + b"1" + b"\x00" * 8 + raw):  # unsigned, the old framing
+                with pytest.raises(SidecarError) as err:
+                    client.import_pages(forged)
+                assert err.value.status in (400, 403)
+            assert client.lookup(PROMPT, meta={"tenant": "acme"}) == 0
+        assert same_state(before, state(side))
+
+
+def test_keys_rotate_and_a_sidecar_without_one_moves_no_pages():
+    old, new = CLUSTER_KEYS, transfer.TransferKeys.parse("k2 " + "n" * 40 + "\nk1 " + "s" * 40)
+    with live_sidecar(CONFIG, pages=32, storage=storage(32), transfer_keys=old) as (url_a, a), \
+            live_sidecar(CONFIG, pages=32, storage=storage(32), transfer_keys=new) as (url_b, b), \
+            live_sidecar(CONFIG, pages=32, storage=storage(32)) as (url_c, _):
+        fill(url_a, a, "s1", PROMPT)
+        with SidecarClient(url_a) as src, SidecarClient(url_b) as dst, SidecarClient(url_c) as keyless:
+            payload = src.export_pages(PROMPT)
+            assert dst.import_pages(payload)["imported_pages"] == 4  # signed by k1, which b still verifies
+            for call in (lambda: keyless.import_pages(payload), lambda: keyless.export_pages(PROMPT)):
+                with pytest.raises(SidecarError) as err:
+                    call()
+                assert (err.value.status, err.value.error) == (503, "no_transfer_key")
+            with pytest.raises(SidecarError) as err:
+                src.import_pages(dst.export_pages(PROMPT))  # signed by k2, which a does not hold yet
+            assert (err.value.status, err.value.error) == (403, "unknown_key")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "no key"),
+    ("k1 short", "at least 32 bytes"),
+    ("k1 " + "s" * 40 + "\nk1 " + "t" * 40, "appears twice"),
+    ("k1", "expected 'KEY_ID SECRET'"),
+])
+def test_a_bad_key_file_is_refused_naming_the_line(text, message):
+    with pytest.raises(ValueError, match=message):
+        transfer.TransferKeys.parse(text)

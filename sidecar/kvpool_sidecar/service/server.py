@@ -22,7 +22,7 @@ from kvpool_sidecar.service.membership import (
 )
 from kvpool_sidecar.service.router_app import RouterService, create_router_app
 from kvpool_sidecar.service.state import Sidecar
-from kvpool_sidecar.storage import KVStorage, ModelShape
+from kvpool_sidecar.storage import KVStorage, ModelShape, transfer
 
 DEFAULT_PAGES = 65_536
 
@@ -42,6 +42,7 @@ class ServeOptions:
     metrics_port: int | None = None
     log_level: str = "info"
     kv_shape: str | None = None  # "layers,kv_heads,head_dim[,dtype]": allocate the KV tensors too
+    transfer_key_file: str | None = None  # cluster keys that sign and verify page transfers
 
 
 def is_loopback(host: str) -> bool:
@@ -86,10 +87,16 @@ def build(options: ServeOptions) -> tuple[Sidecar, str | None]:
         raise ServeError("--pages must be at least 1")
     token = read_token(options)
     config = load_config(options.config) if options.config else SidecarConfig()
+    keys = None
+    if options.transfer_key_file:
+        try:
+            keys = transfer.TransferKeys.load(options.transfer_key_file)
+        except ValueError as exc:
+            raise ServeError(f"--transfer-key-file: {exc}") from None
     storage = None
     if options.kv_shape:
         storage = KVStorage(parse_shape(options.kv_shape), config.pageSize, pages=options.pages, shared=True)
-    sidecar = Sidecar(config, options.pages, config_path=options.config, storage=storage)
+    sidecar = Sidecar(config, options.pages, config_path=options.config, storage=storage, transfer_keys=keys)
     sidecar.mark_config_file_read()
     return sidecar, token
 

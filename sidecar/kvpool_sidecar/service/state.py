@@ -84,7 +84,9 @@ class Sidecar:
         clock: Callable[[], float] = time.monotonic,
         shadow_capacity: int | None = None,
         storage: KVStorage | None = None,
+        transfer_keys: transfer.TransferKeys | None = None,
     ) -> None:
+        self.transfer_keys = transfer_keys
         self.pool = PagePool(pages, config.spec(), clock=clock)
         self.clock = clock
         self.config_path = Path(config_path) if config_path else None
@@ -190,6 +192,7 @@ class Sidecar:
                       meta: WorkloadMeta) -> tuple[bytes, int]:
         """The prompt's cached leading pages as a transfer payload, and how many pages it holds."""
         storage = self._need_storage()
+        signing = self._need_keys()
         keys, pages = self.pool.cached_prefix(tokens, block_hashes=block_hashes, num_tokens=num_tokens, meta=meta)
         if not pages:
             raise transfer.TransferError("not_cached", "no leading page of this prompt is cached here", "tokens")
@@ -204,14 +207,14 @@ class Sidecar:
             num_tokens=n * ps, meta=transfer.WireMeta(**asdict(meta)), sha256=hashlib.sha256(raw).hexdigest(),
         )
         self.metrics.transfer_pages.labels("export").inc(n)
-        return transfer.encode(header, raw), n
+        return transfer.encode(header, raw, signing), n
 
     def verify_import(self, payload: bytes) -> tuple[transfer.TransferHeader, Any]:
         """Check a payload against this pool without touching it (no lock needed: it reads only the
         storage's fixed shape); returns the header and the pages' KV."""
         try:
             storage = self._need_storage()
-            header, data = transfer.decode(payload)
+            header, data = transfer.decode(payload, self._need_keys())
             if header.pages > self.pool.total_pages:
                 raise transfer.TransferError(
                     "too_large", f"{header.pages} pages do not fit a pool of {self.pool.total_pages}",
@@ -255,6 +258,13 @@ class Sidecar:
         self.metrics.transfer_pages.labels("import").inc(written)
         return {"pages": header.pages, "imported_pages": written, "already_cached_pages": first_new,
                 "num_tokens": header.num_tokens}
+
+    def _need_keys(self) -> transfer.TransferKeys:
+        if self.transfer_keys is None:
+            raise transfer.TransferError(
+                "no_transfer_key", "page transfer needs a cluster key: start the sidecar with --transfer-key-file"
+            )
+        return self.transfer_keys
 
     def _need_storage(self) -> KVStorage:
         if self.storage is None:
