@@ -179,3 +179,30 @@ def test_openapi_schema_lists_every_route(sidecar_url):
                  "/v1/sequences/{seq_id}/fork", "/v1/sequences/{seq_id}", "/v1/lookup", "/v1/pins",
                  "/v1/pins/{pin_id}", "/v1/stats", "/v1/config", "/healthz", "/readyz"):
         assert path in paths
+
+
+def test_a_terminated_sidecar_removes_its_shared_memory(tmp_path):
+    """SIGTERM (what Kubernetes sends): the pool's segment goes with the process, none is left in /dev/shm."""
+    import os
+    import time
+    from pathlib import Path
+
+    from support import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("kvpool-sidecar")), "serve", "--port", str(port),
+                             "--pages", "8", "--kv-shape", "1,1,8,float32", "--log-level", "error"])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                name = httpx.get(f"http://127.0.0.1:{port}/v1/storage/handle", timeout=0.5).json()["name"]
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert os.path.exists(f"/dev/shm/{name}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert not os.path.exists(f"/dev/shm/{name}")

@@ -116,7 +116,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def create_app(
     sidecar: Sidecar, *, token: str | None = None, serve_metrics: bool = True, poll_interval: float = 0.5,
-    pre_evict_interval: float = 1.0,
+    pre_evict_interval: float = 1.0, on_shutdown: Callable[[], None] | None = None,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -125,8 +125,14 @@ def create_app(
             jobs.append(_watch_config(sidecar, poll_interval))
         if pre_evict_interval > 0:
             jobs.append(_pre_evict_when_idle(sidecar, pre_evict_interval))
-        async with background(jobs):
-            yield
+        try:
+            async with background(jobs):
+                yield
+        finally:
+            # Here, not after uvicorn returns: on SIGTERM uvicorn re-raises the signal once it has shut
+            # down, and the process ends before any code after it runs (the shared segment would stay).
+            if on_shutdown is not None:
+                on_shutdown()
 
     app = FastAPI(
         title="kvpool sidecar",

@@ -107,7 +107,7 @@ def serve(options: ServeOptions) -> None:
     separate_metrics = options.metrics_port is not None
     if separate_metrics:
         start_http_server(options.metrics_port, options.metrics_host or "0.0.0.0", registry=sidecar.metrics.registry)
-    app = create_app(sidecar, token=token, serve_metrics=not separate_metrics)
+    app = create_app(sidecar, token=token, serve_metrics=not separate_metrics, on_shutdown=sidecar.close)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
     finally:

@@ -127,6 +127,7 @@ class Sidecar:
         return pages >= HEAVY_PAGES
 
     def close(self) -> None:
+        """Stop the worker thread and free the KV storage (its shared segment is unlinked); idempotent."""
         self._executor.shutdown(wait=True)
         if self.storage is not None:
             self.storage.close()

@@ -201,9 +201,12 @@ class KVStorage:
     def close(self) -> None:
         if self._shm is not None:
             HEADER.pack_into(self._shm.buf, 0, MAGIC, 0)  # mappings still open see a dead epoch
+            self._shm.unlink()  # first: the name goes even if a view of the tensor outlives this call
             del self.kv
-            self._shm.close()
-            self._shm.unlink()
+            try:
+                self._shm.close()
+            except BufferError:
+                pass  # a view still holds the mapping; it is unmapped when the last view goes
             self._shm = None
 
 
