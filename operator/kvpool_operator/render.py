@@ -18,8 +18,9 @@ def configmap_name(policy_name: str) -> str:
 def config_document(name: str, namespace: str, generation: int, spec: KVCachePolicySpec) -> tuple[str, str]:
     """The sidecar config file (the spec, defaults filled in, plus its source) and its hash."""
     digest = spec_hash(spec)
-    data = spec.model_dump(mode="json")
-    data["source"] = {"name": name, "namespace": namespace, "generation": generation, "hash": digest}
+    # The source (with the hash) comes first: a file cut short keeps it, and then fails the sidecar's check.
+    data = {"source": {"name": name, "namespace": namespace, "generation": generation, "hash": digest},
+            **spec.model_dump(mode="json")}
     return yaml.safe_dump(data, sort_keys=False), digest
 
 

@@ -108,3 +108,29 @@ def test_put_config_validates_the_same_way(sidecar_url):
         r = httpx.put(url + "/v1/config", json={**BASE, "pageSize": 16})
         assert r.status_code == 409 and r.json()["field"] == "pageSize" and "restart" in r.json()["detail"]
         assert c.config()["config"]["workloads"]["toB"]["isolationPercent"] == 10
+
+
+def test_a_file_cut_short_or_emptied_is_refused_and_the_old_config_stays(tmp_path):
+    from kvpool_operator.render import config_document
+    from kvpool_sidecar.config import KVCachePolicySpec
+
+    spec = KVCachePolicySpec.model_validate({**BASE, "pinning": {"quotaPercent": 10, "autoPin": {"enabled": False}}})
+    full, digest = config_document("chat", "llm", 3, spec)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    with live_sidecar(config_path=path) as (url, _), SidecarClient(url) as c:
+        path.write_text(full)
+        wait_for(lambda: c.config()["hash"] == digest)
+        lines = full.splitlines(keepends=True)
+        cut = "".join(lines[: lines.index(next(x for x in lines if x.startswith("pinning:")))])
+        assert yaml.safe_load(cut)["source"]["hash"] == digest  # still parses: defaults would fill the rest
+        for broken, reason in ((cut, "source.hash"), ("", "empty")):
+            before = c.config()["reloads"]["invalid"]
+            path.write_text(broken)
+            wait_for(lambda before=before: c.config()["reloads"]["invalid"] > before)
+            view = c.config()
+            assert view["hash"] == digest and view["config"]["pinning"]["quotaPercent"] == 10
+            assert reason in view["last_error"]
+        path.write_text(full.replace("quotaPercent: 10", "quotaPercent: 10.0"))  # the same spec: fine again
+        time.sleep(0.5)
+        assert c.config()["hash"] == digest

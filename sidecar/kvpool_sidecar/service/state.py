@@ -336,6 +336,9 @@ class Sidecar:
     def apply_config_text(self, text: str, origin: str) -> tuple[str, str | None, str]:
         """Validate and apply a config; returns (result, error, field at fault). The old config stays on
         any error."""
+        if not text.strip() and self.state.file_digest:
+            # An empty file where a config was is a write in progress or a mistake, not "all defaults".
+            return self.reject(f"{origin}: the file is empty; the config in force stays (write {{}} for defaults)")
         try:
             config = parse_config_text(text)
         except ConfigError as exc:
@@ -344,6 +347,13 @@ class Sidecar:
 
     def apply_config(self, config: SidecarConfig, origin: str) -> tuple[str, str | None, str]:
         new_hash = spec_hash(config)
+        if config.source is not None and config.source.hash and config.source.hash != new_hash:
+            # The operator writes the spec's hash into the file: a file cut short (even at a line
+            # boundary, where it still parses) or edited by hand no longer matches it.
+            return self.reject(
+                f"{origin}: the content's hash {new_hash} is not its source.hash {config.source.hash} "
+                "(a partly written or hand-edited file); the config in force stays", "source.hash",
+            )
         same_source = config.source == self.state.config.source
         if new_hash == self.state.hash and same_source:
             self._count("unchanged")
