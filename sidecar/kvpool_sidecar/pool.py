@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import itertools
+import secrets
 import time
 from array import array
 from collections import OrderedDict
@@ -328,7 +328,6 @@ class PagePool:
         self._seqs: dict[str, _Seq] = {}
         self._pin_records: dict[str, Pin] = {}
         self._pin_expiry: list[tuple[float, str]] = []
-        self._pin_ids = itertools.count(1)
         self._pinned_pages = 0
         self._alloc_slots = 0
         self._used_slots = 0
@@ -1085,7 +1084,7 @@ class PagePool:
                 if self._ref[page] == 0:
                     self._policies[self._part[page]].take(page, now, False)
             self._pins[page] += 1
-        pin_id = f"pin-{next(self._pin_ids)}"
+        pin_id = f"pin-{secrets.token_hex(12)}"  # unguessable: a pin id is what lets its holder unpin
         expires = None if ttl is None else now + ttl
         record = Pin(pin_id, tuple(pages), expires)
         self._pin_records[pin_id] = record

@@ -186,6 +186,9 @@ def test_pin_protects_a_prefix_and_quota_is_enforced():
     run(pool, "a", list(range(8)))
     pin = pool.pin(list(range(8)))
     assert len(pin.pages) == 2 and pool.stats().pinned_pages == 2
+    again = pool.pin(list(range(4)))  # a second record on the same pages, under an unguessable id
+    assert again.pin_id != pin.pin_id and len(again.pin_id) == len("pin-") + 24
+    pool.unpin(again.pin_id)
     run(pool, "b", [1] * 8)
     before = snapshot(pool)
     with pytest.raises(QuotaExceeded, match="pin quota"):
