@@ -88,6 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config=args.config, host=args.host, port=args.port, pages=args.pages, token_file=args.token_file,
             metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_level=args.log_level,
             kv_shape=args.kv_shape, transfer_key_file=args.transfer_key_file,
+            **{k: v for k in ("max_body_bytes", "max_sequences") if (v := getattr(args, k)) is not None},
         )
     )
     return 0
@@ -175,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
                      "(shared with the engine: GET /v1/storage/handle)")
     srv.add_argument("--transfer-key-file", help="cluster keys (lines 'KEY_ID SECRET', the signing key first) that "
                      "sign exported pages and verify imported ones; without it page transfer is refused")
+    srv.add_argument("--max-body-bytes", type=_positive_int,
+                     help="largest JSON request body (default 16 MiB; an import may hold the whole pool); larger: 413")
+    srv.add_argument("--max-sequences", type=_positive_int,
+                     help="live sequences at most (default 16,384); an admission past it: 429")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.set_defaults(func=cmd_serve)
 

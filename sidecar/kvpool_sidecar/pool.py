@@ -84,6 +84,12 @@ class QuotaExceeded(PoolError):
     status = 409
 
 
+class TooManySequences(PoolError):
+    """The live-sequence limit is reached (every sequence costs memory, even one that holds no new page)."""
+
+    status = 429
+
+
 class PoolExhausted(PoolError):
     status = 503
 
@@ -292,10 +298,12 @@ class PagePool:
         *,
         policy_factory: PolicyFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
+        max_sequences: int | None = None,
     ) -> None:
         spec = spec or KVCachePolicySpec()
         if total_pages < 1:
             raise InvalidRequest("total_pages must be at least 1", "total_pages")
+        self.max_sequences = max_sequences
         n = total_pages
         self.total_pages = n
         self.page_size = spec.pageSize
@@ -727,6 +735,7 @@ class PagePool:
             self._expire_pins(now)
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists", "seq_id")
+        self._room_for_a_sequence()
         keys, n = self._keys(tokens, block_hashes, num_tokens, meta)
         ps = self.page_size
         hits = self._cached_prefix(keys)
@@ -801,6 +810,13 @@ class PagePool:
         if keys and self._autopin.enabled:
             self._pin_hot_prefix(keys[0], hits, meta, now)
         return Admission(seq_id, cached_tokens, pages, cross_user * ps, self.evictions - evictions, keys)
+
+    def _room_for_a_sequence(self) -> None:
+        if self.max_sequences is not None and len(self._seqs) >= self.max_sequences:
+            raise TooManySequences(
+                f"{len(self._seqs)} live sequences: the limit is {self.max_sequences} (--max-sequences); "
+                "release finished ones", "seq_id",
+            )
 
     def _seq(self, seq_id: str) -> _Seq:
         seq = self._seqs.get(seq_id)
@@ -907,6 +923,7 @@ class PagePool:
         seq = self._seq(seq_id)
         if new_seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {new_seq_id!r} already exists", "new_seq_id")
+        self._room_for_a_sequence()
         now = self.clock() if now is None else now
         ps = self.page_size
         full = seq.num_tokens // ps

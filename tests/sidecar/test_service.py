@@ -206,3 +206,34 @@ def test_a_terminated_sidecar_removes_its_shared_memory(tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_an_oversized_body_is_refused_before_it_is_read_and_changes_nothing():
+    from kvpool_sidecar.service.app import create_app
+    from kvpool_sidecar.service.state import Sidecar
+    from support import live_app
+
+    config = SidecarConfig.model_validate({"pageSize": 4, "pinning": {"autoPin": {"enabled": False}}})
+    sidecar = Sidecar(config, 64, max_sequences=3)
+    with live_app(create_app(sidecar, max_body_bytes=4096, pre_evict_interval=0)) as url, SidecarClient(url) as c:
+        big = {"seq_id": "big", "tokens": list(range(2000))}  # about 10 KB of JSON
+        answer = httpx.post(url + "/v1/sequences", json=big)
+        assert answer.status_code == 413 and answer.json()["error"] == "too_large"
+        assert "4096 bytes" in answer.json()["detail"]
+
+        def chunks():
+            yield b'{"seq_id": "big", "tokens": ['
+            for _ in range(2000):
+                yield b"1, "
+            yield b"1]}"
+
+        chunked = httpx.post(url + "/v1/sequences", content=chunks(), headers={"content-type": "application/json"})
+        assert chunked.status_code == 413  # no Content-Length: counted as it arrives
+        for i in range(3):
+            c.admit(f"s{i}", [i] * 4)
+        with pytest.raises(SidecarError) as err:
+            c.admit("s3", [9] * 4)
+        assert (err.value.status, err.value.error) == (429, "too_many_sequences")
+        assert "--max-sequences" in err.value.detail
+        assert c.stats()["sequences"] == 3 and httpx.get(url + "/healthz").status_code == 200
+    sidecar.pool.check_invariants()

@@ -23,6 +23,7 @@ from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import transfer
 
 log = logging.getLogger("kvpool.sidecar")
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # a 2M-token prompt as JSON is about 14 MB
 PRE_EVICT_BATCH = 256  # pages per idle step (about a millisecond): a request never waits long behind one
 IDLE_SECONDS = 0.5
 
@@ -63,6 +64,54 @@ async def background(jobs: list[Coroutine[Any, Any, None]]) -> AsyncIterator[Non
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class BodyLimit:
+    """Refuse a body past its limit (413, before it is parsed): by its Content-Length; a body without
+    one (chunked) is read up to the limit first, then handed on whole."""
+
+    def __init__(self, app: Any, limit: Callable[[str], int]) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
+                       send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.limit(scope["path"])
+        too_large = _error(413, "too_large", f"the body is larger than this endpoint's limit of {limit} bytes "
+                           "(--max-body-bytes; an import: the pool's size)", "body")
+        length = next((value for name, value in scope.get("headers", ()) if name == b"content-length"), None)
+        if length is not None:
+            if length.isdigit() and int(length) > limit:
+                await too_large(scope, receive, send)
+                return
+            await self.app(scope, receive, send)  # the server holds the body to its length
+            return
+        chunks: list[bytes] = []
+        seen = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                await too_large(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        delivered = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return whole
+
+        await self.app(scope, replay, send)
 
 
 def bearer_auth(token: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -117,6 +166,7 @@ def install_error_handlers(app: FastAPI) -> None:
 def create_app(
     sidecar: Sidecar, *, token: str | None = None, serve_metrics: bool = True, poll_interval: float = 0.5,
     pre_evict_interval: float = 1.0, on_shutdown: Callable[[], None] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -143,6 +193,7 @@ def create_app(
     )
 
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=lambda path: sidecar.max_body_bytes(path, max_body_bytes))
 
     v1 = [Depends(bearer_auth(token))]
 

@@ -11,7 +11,7 @@ import uvicorn
 from prometheus_client import start_http_server
 
 from kvpool_sidecar.config import SidecarConfig, load_config
-from kvpool_sidecar.service.app import create_app
+from kvpool_sidecar.service.app import DEFAULT_MAX_BODY_BYTES, create_app
 from kvpool_sidecar.service.membership import (
     KubernetesMembership,
     MembershipSource,
@@ -21,7 +21,7 @@ from kvpool_sidecar.service.membership import (
     parse_static,
 )
 from kvpool_sidecar.service.router_app import RouterService, create_router_app
-from kvpool_sidecar.service.state import Sidecar
+from kvpool_sidecar.service.state import DEFAULT_MAX_SEQUENCES, Sidecar
 from kvpool_sidecar.storage import KVStorage, ModelShape, transfer
 
 DEFAULT_PAGES = 65_536
@@ -43,6 +43,8 @@ class ServeOptions:
     log_level: str = "info"
     kv_shape: str | None = None  # "layers,kv_heads,head_dim[,dtype]": allocate the KV tensors too
     transfer_key_file: str | None = None  # cluster keys that sign and verify page transfers
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_sequences: int = DEFAULT_MAX_SEQUENCES
 
 
 def is_loopback(host: str) -> bool:
@@ -96,7 +98,8 @@ def build(options: ServeOptions) -> tuple[Sidecar, str | None]:
     storage = None
     if options.kv_shape:
         storage = KVStorage(parse_shape(options.kv_shape), config.pageSize, pages=options.pages, shared=True)
-    sidecar = Sidecar(config, options.pages, config_path=options.config, storage=storage, transfer_keys=keys)
+    sidecar = Sidecar(config, options.pages, config_path=options.config, storage=storage, transfer_keys=keys,
+                      max_sequences=options.max_sequences)
     sidecar.mark_config_file_read()
     return sidecar, token
 
@@ -107,7 +110,8 @@ def serve(options: ServeOptions) -> None:
     separate_metrics = options.metrics_port is not None
     if separate_metrics:
         start_http_server(options.metrics_port, options.metrics_host or "0.0.0.0", registry=sidecar.metrics.registry)
-    app = create_app(sidecar, token=token, serve_metrics=not separate_metrics, on_shutdown=sidecar.close)
+    app = create_app(sidecar, token=token, serve_metrics=not separate_metrics, on_shutdown=sidecar.close,
+                     max_body_bytes=options.max_body_bytes)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
     finally:

@@ -32,6 +32,7 @@ from kvpool_sidecar.workload import ClassKey, DriftEvent
 
 log = logging.getLogger("kvpool.sidecar")
 T = TypeVar("T")
+DEFAULT_MAX_SEQUENCES = 16_384  # live sequences one sidecar holds (an engine runs a few hundred at most)
 HEAVY_PAGES = 2048  # an admission of this many pages may evict as many: ~10 ms, off the event loop
 
 
@@ -85,9 +86,10 @@ class Sidecar:
         shadow_capacity: int | None = None,
         storage: KVStorage | None = None,
         transfer_keys: transfer.TransferKeys | None = None,
+        max_sequences: int = DEFAULT_MAX_SEQUENCES,
     ) -> None:
         self.transfer_keys = transfer_keys
-        self.pool = PagePool(pages, config.spec(), clock=clock)
+        self.pool = PagePool(pages, config.spec(), clock=clock, max_sequences=max_sequences)
         self.clock = clock
         self.config_path = Path(config_path) if config_path else None
         self.state = ConfigState(config, spec_hash(config))
@@ -259,6 +261,13 @@ class Sidecar:
         self.metrics.transfer_pages.labels("import").inc(written)
         return {"pages": header.pages, "imported_pages": written, "already_cached_pages": first_new,
                 "num_tokens": header.num_tokens}
+
+    def max_body_bytes(self, path: str, json_limit: int) -> int:
+        """The largest body a request to ``path`` may send: an import holds at most the whole pool."""
+        if path == "/v1/transfer/import" and self.storage is not None:
+            return transfer.MAX_HEADER_BYTES + 64 + self.storage.num_pages * self.storage.shape.bytes_per_page(
+                self.storage.page_size)
+        return json_limit
 
     def _need_keys(self) -> transfer.TransferKeys:
         if self.transfer_keys is None:
