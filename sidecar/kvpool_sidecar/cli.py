@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=_port, default=8000)
     srv.add_argument("--pages", type=_positive_int, default=65_536, help="pages in the pool")
     srv.add_argument("--token-file", help="file holding the bearer token the control API requires")
-    srv.add_argument("--metrics-host", help="serve /metrics on its own address (default 0.0.0.0 with --metrics-port)")
+    srv.add_argument("--metrics-host", help="serve /metrics on its own address (default 127.0.0.1 with --metrics-port)")
     srv.add_argument("--metrics-port", type=_port, help="serve /metrics on its own port instead of the API's")
     srv.add_argument("--kv-shape", help="allocate the KV tensors too: layers,kv_heads,head_dim[,dtype] "
                      "(shared with the engine: GET /v1/storage/handle)")
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     rtr.add_argument("--engine-port", type=_port, default=8000, help="inference engine port on each pod")
     rtr.add_argument("--sidecar-port", type=_port, default=8100, help="kvpool sidecar API port on each pod")
     rtr.add_argument("--mode", choices=ROUTING_MODES, default="bounded-hash+replicas")
-    rtr.add_argument("--host", default="0.0.0.0")
+    rtr.add_argument("--host", default="127.0.0.1", help="beyond localhost needs --token-file")
     rtr.add_argument("--port", type=_port, default=8080)
     rtr.add_argument("--membership-interval", type=_seconds, default=5.0, help="seconds between membership polls")
     rtr.add_argument("--warm-replicas", action="store_true",

@@ -237,3 +237,14 @@ def test_an_oversized_body_is_refused_before_it_is_read_and_changes_nothing():
         assert "--max-sequences" in err.value.detail
         assert c.stats()["sequences"] == 3 and httpx.get(url + "/healthz").status_code == 200
     sidecar.pool.check_invariants()
+
+
+def test_the_router_refuses_a_wider_bind_without_a_token(tmp_path):
+    from kvpool_sidecar.service.server import RouterOptions, router_token
+
+    assert RouterOptions().host == "127.0.0.1" and router_token(RouterOptions()) is None
+    with pytest.raises(ServeError, match="--token-file"):
+        router_token(RouterOptions(host="0.0.0.0"))
+    token = tmp_path / "token"
+    token.write_text("a-long-enough-token-value\n")
+    assert router_token(RouterOptions(host="0.0.0.0", token_file=str(token))) == "a-long-enough-token-value"

@@ -109,7 +109,8 @@ def serve(options: ServeOptions) -> None:
     sidecar, token = build(options)
     separate_metrics = options.metrics_port is not None
     if separate_metrics:
-        start_http_server(options.metrics_port, options.metrics_host or "0.0.0.0", registry=sidecar.metrics.registry)
+        # Metrics are read-only and open by design, but only where asked: loopback unless --metrics-host.
+        start_http_server(options.metrics_port, options.metrics_host or "127.0.0.1", registry=sidecar.metrics.registry)
     app = create_app(sidecar, token=token, serve_metrics=not separate_metrics, on_shutdown=sidecar.close,
                      max_body_bytes=options.max_body_bytes)
     try:
@@ -126,7 +127,7 @@ class RouterOptions:
     engine_port: int = 8000
     sidecar_port: int = 8100
     mode: str = "bounded-hash+replicas"
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = 8080
     membership_interval: float = 5.0
     log_level: str = "info"
@@ -160,11 +161,14 @@ def build_router(options: RouterOptions) -> RouterService:
                          warm_replicas=options.warm_replicas, sidecar_token=token)
 
 
+def router_token(options: RouterOptions) -> str | None:
+    """The bearer token the router requires of /v1 clients: required, as for the API, beyond loopback."""
+    return read_token(ServeOptions(host=options.host, token_file=options.token_file))
+
+
 def serve_router(options: RouterOptions) -> None:
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = router_token(options)
     service = build_router(options)
-    token = None
-    if options.token_file:
-        token = read_token(ServeOptions(host=options.host, token_file=options.token_file))
     app = create_router_app(service, membership_interval=options.membership_interval, token=token)
     uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
