@@ -10,10 +10,10 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 API_GROUP = "kvpool.dev"
 API_VERSION = "v1alpha1"
@@ -33,6 +33,40 @@ def parse_duration(text: str) -> float:
     return sum(float(num) * _UNIT_SECONDS[unit] for num, unit in _DURATION_PART.findall(text))
 
 
+def _positive_duration(text: str) -> str:
+    if parse_duration(text) <= 0:
+        raise ValueError(f"{text!r} must be longer than 0")
+    return text
+
+
+Duration = Annotated[str, Field(pattern=DURATION_PATTERN), AfterValidator(_positive_duration)]
+_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+LABEL_KEY = re.compile(rf"^({_DNS_SUBDOMAIN}/)?{_LABEL_NAME}$")
+LABEL_VALUE = re.compile(rf"^({_LABEL_NAME})?$")
+POLICY_NAME = re.compile(rf"^{_DNS_SUBDOMAIN}$")
+MAX_POLICY_NAME = 253 - len("kvpool-")  # the ConfigMap kvpool-<name> is a DNS subdomain too
+
+
+def _label_key(key: str) -> str:
+    prefix, _, _ = key.rpartition("/")
+    if not LABEL_KEY.match(key) or len(prefix) > 253:
+        raise ValueError(f"{key!r} is not a label key (an optional DNS prefix and '/', then 1-63 characters "
+                         "of letters, digits, '-', '_' or '.', starting and ending with a letter or digit)")
+    return key
+
+
+def _label_value(value: str) -> str:
+    if not LABEL_VALUE.match(value):
+        raise ValueError(f"{value!r} is not a label value (at most 63 letters, digits, '-', '_' or '.', "
+                         "starting and ending with a letter or digit)")
+    return value
+
+
+LabelKey = Annotated[str, Field(min_length=1, pattern=LABEL_KEY.pattern), AfterValidator(_label_key)]
+LabelValue = Annotated[str, Field(pattern=LABEL_VALUE.pattern), AfterValidator(_label_value)]
+
+
 class ConfigError(ValueError):
     """A policy or config that breaks a rule; ``field`` is the dotted path of the offending field."""
 
@@ -43,18 +77,36 @@ class ConfigError(ValueError):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+    # Strict: `pageSize: true` is not 1 and "5" is not a number (YAML gives ints and floats their types).
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True, strict=True)
 
 
 
 class LabelSelectorRequirement(_Model):
-    key: str = Field(min_length=1)
+    key: LabelKey
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
-    values: list[str] = Field(default_factory=list)
+    values: list[LabelValue] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _values_fit_the_operator(self) -> LabelSelectorRequirement:
+        if self.operator in ("In", "NotIn") and not self.values:
+            raise ValueError(f"operator {self.operator} needs at least one value")
+        if self.operator in ("Exists", "DoesNotExist") and self.values:
+            raise ValueError(f"operator {self.operator} takes no values")
+        return self
 
 
 class LabelSelector(_Model):
     matchLabels: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("matchLabels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        # Checked here, not typed: a Kubernetes structural schema has no patternProperties.
+        for key, value in labels.items():
+            _label_key(key)
+            _label_value(value)
+        return labels
     matchExpressions: list[LabelSelectorRequirement] = Field(default_factory=list)
 
     def to_query(self) -> str:
@@ -107,7 +159,7 @@ class Eviction(_Model):
 
 
 class ToCWorkload(_Model):
-    timeWindow: str = Field(default="10m", pattern=DURATION_PATTERN, description="reuse window")
+    timeWindow: Duration = Field(default="10m", description="reuse window")
     decayPerMinute: float = Field(default=0.15, gt=0, le=600, description="prior reuse decay rate")
 
     @property
@@ -116,7 +168,7 @@ class ToCWorkload(_Model):
 
 
 class ToBWorkload(ToCWorkload):
-    timeWindow: str = Field(default="10s", pattern=DURATION_PATTERN, description="reuse window")
+    timeWindow: Duration = Field(default="10s", description="reuse window")
     decayPerMinute: float = Field(default=6.0, gt=0, le=600, description="prior reuse decay rate")
     isolationPercent: float = Field(default=30, ge=0, le=100, description="share of pages for to-B")
 
@@ -158,7 +210,7 @@ class Learning(_Model):
         default_factory=lambda: ["turn"],
         description="what splits a workload class into statistics classes (empty: one fit per workload class)",
     )
-    coldStartPeriod: str = Field(default="168h", pattern=DURATION_PATTERN)
+    coldStartPeriod: Duration = Field(default="168h")
     minSamples: int = Field(default=5000, ge=1, description="reuses a class needs before its own fit is used")
     driftThresholdPercent: float = Field(default=20, gt=0, le=1000)
     refitOnDrift: bool = True
@@ -179,8 +231,8 @@ class Routing(_Model):
     loadFactor: float = Field(
         default=1.25, ge=1, le=10, description="bounded load: no pod takes more than this times the mean load"
     )
-    loadWindow: str = Field(
-        default="5m", pattern=DURATION_PATTERN, description="load = requests routed, decayed over this window"
+    loadWindow: Duration = Field(
+        default="5m", description="load = requests routed, decayed over this window"
     )
     minLoad: float = Field(
         default=8, ge=1, description="a pod with less load than this is never overflowed: balancing starts once "
@@ -306,4 +358,16 @@ def load_policy(text: str) -> tuple[dict[str, Any], KVCachePolicySpec]:
     meta = doc.get("metadata") or {}
     if not isinstance(meta, dict) or not meta.get("name"):
         raise ConfigError("metadata.name", "is required")
+    name = meta["name"]
+    if not isinstance(name, str) or len(name) > MAX_POLICY_NAME or not POLICY_NAME.match(name):
+        raise ConfigError("metadata.name", f"must be a DNS subdomain (lower-case letters, digits, '-' and '.') of "
+                          f"at most {MAX_POLICY_NAME} characters (its ConfigMap is kvpool-<name>)")
+    namespace = meta.get("namespace")
+    if namespace is not None and (not isinstance(namespace, str) or not re.fullmatch(
+            r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", namespace)):
+        raise ConfigError("metadata.namespace", "must be a DNS label (lower-case letters, digits and '-', "
+                          "at most 63 characters)")
+    generation = meta.get("generation", 1)
+    if type(generation) is not int or generation < 1:
+        raise ConfigError("metadata.generation", "must be an integer of at least 1")
     return meta, validate_spec(doc.get("spec"))

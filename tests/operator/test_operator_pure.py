@@ -156,3 +156,29 @@ def test_cli_render_and_crd(capsys, tmp_path):
     assert "spec.pageSize" in capsys.readouterr().err
     assert main(["crd"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == crd()
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (lambda d: d["spec"].update(pageSize=True), "spec.pageSize"),  # was rendered as 1
+    (lambda d: d["spec"].update(pageSize="16"), "spec.pageSize"),
+    (lambda d: d["spec"].setdefault("workloads", {}).update(toC={"timeWindow": "0s"}), "spec.workloads.toC.timeWindow"),
+    (lambda d: d["spec"].setdefault("learning", {}).update(coldStartPeriod="0ms"), "spec.learning.coldStartPeriod"),
+    (lambda d: d["spec"].update(selector={"matchExpressions": [{"key": "app", "operator": "In"}]}),
+     "spec.selector.matchExpressions.0"),
+    (lambda d: d["spec"].update(selector={"matchExpressions": [{"key": "app", "operator": "Exists", "values": ["x"]}]}),
+     "spec.selector.matchExpressions.0"),
+    (lambda d: d["spec"].update(selector={"matchLabels": {"my app": "x"}}), "spec.selector.matchLabels"),
+    (lambda d: d["spec"].update(selector={"matchLabels": {"app": "a value"}}), "spec.selector.matchLabels"),
+    (lambda d: d["metadata"].update(name="x" * 300), "metadata.name"),
+    (lambda d: d["metadata"].update(name="../../etc/passwd"), "metadata.name"),
+    (lambda d: d["metadata"].update(generation="abc"), "metadata.generation"),  # was a traceback
+    (lambda d: d["metadata"].update(namespace="Not A Namespace"), "metadata.namespace"),
+])
+def test_render_refuses_a_bad_policy_naming_the_field(change, field, tmp_path, capsys):
+    doc = yaml.safe_load((ROOT / "crds" / "examples" / "chat.yaml").read_text())
+    change(doc)
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["render", "-f", str(path)]) == 2
+    err = capsys.readouterr()
+    assert err.out == "" and f"error: {field}" in err.err and "Traceback" not in err.err
