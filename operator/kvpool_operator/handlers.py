@@ -107,10 +107,30 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.St
             synced=previous.get("syncedPods", 0), previous=previous,
         ))
         return
+    patch.status.update(_write_unless_superseded(name, namespace, meta, policy, generation, previous))
+
+
+def _write_unless_superseded(name: str, namespace: str, meta: kopf.Meta, policy: Any, generation: int,
+                             previous: dict[str, Any]) -> dict[str, Any]:
+    """Render and write the ConfigMap, unless an older policy selects some of the same pods: then the
+    younger one writes nothing (its pods get one config, the older policy's) until the conflict is gone."""
+    pods = _pods(namespace)
+    me = PolicyRef(name, meta.get("creationTimestamp") or "", policy.selector)
+    conflict = conflicting_policy(me, _policies(namespace), pods)
+    if conflict is not None:
+        return build_status(
+            generation=generation, config_hash=previous.get("configHash"), configmap=previous.get("configMap"),
+            valid=(True, "Validated", "ok"), conflict=conflict, targets=len(target_pods(policy.selector, pods)),
+            synced=previous.get("syncedPods", 0), previous=previous,
+        )
     desired = render_configmap(name, namespace, generation, policy, owner_uid=meta.get("uid"))
     _apply_configmap(desired)
     digest = desired["metadata"]["annotations"][f"{API_GROUP}/config-hash"]
-    patch.status.update(_observe(name, namespace, meta, policy.selector, generation, digest, previous))
+    return _observe(name, namespace, meta, policy.selector, generation, digest, previous)
+
+
+def _in_conflict(status: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Conflict" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
 def _observe(name: str, namespace: str, meta: kopf.Meta, selector: LabelSelector, generation: int, digest: str,
@@ -132,6 +152,14 @@ def resync(spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, nam
     """Pods come and go and sidecars pick up configs at their own pace: refresh the counts."""
     previous = dict(status)
     digest = previous.get("configHash")
+    if _in_conflict(previous):  # the older policy may be gone: write the ConfigMap now if so
+        try:
+            policy = validate_spec(dict(spec))
+        except ConfigError:
+            return
+        patch.status.update(_write_unless_superseded(name, namespace, meta, policy, int(meta.get("generation") or 0),
+                                                     previous))
+        return
     if not digest or previous.get("observedGeneration") != meta.get("generation"):
         return
     try:

@@ -110,6 +110,7 @@ def test_create_update_invalid_conflict_delete(cluster):
     api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("chat2"))
     st = wait_for(lambda: cond(status(api, "chat2"), "Conflict"))
     assert "chat" in st["message"]
+    assert _gone(core, "kvpool-chat2")  # the younger policy writes no ConfigMap while the older one wins
 
     # Delete: the ConfigMap goes.
     api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat2")
