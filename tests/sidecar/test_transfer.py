@@ -10,6 +10,7 @@ import pytest
 import torch
 from kvpool_sidecar.client import TRANSFER_CONTENT_TYPE, SidecarClient, SidecarError
 from kvpool_sidecar.config import SidecarConfig
+from kvpool_sidecar.pool import WorkloadMeta
 from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import KVStorage, ModelShape, transfer
 from support import CLUSTER_KEYS, live_sidecar
@@ -250,3 +251,41 @@ def test_keys_rotate_and_a_sidecar_without_one_moves_no_pages():
 def test_a_bad_key_file_is_refused_naming_the_line(text, message):
     with pytest.raises(ValueError, match=message):
         transfer.TransferKeys.parse(text)
+
+
+def test_fuzzed_payloads_are_refused_whole_and_write_nothing():
+    """Any change to a signed payload (a flipped byte anywhere, a cut, an insertion) is refused with a
+    TransferError naming the reason, never another exception, and the importer is left as it was."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    exporter = Sidecar(CONFIG, 32, storage=storage(32), transfer_keys=CLUSTER_KEYS)
+    importer = Sidecar(CONFIG, 32, storage=storage(32), transfer_keys=CLUSTER_KEYS)
+    adm = exporter.pool.admit("s", PROMPT)
+    exporter.storage.kv[adm.page_ids] = torch.randn(exporter.storage.kv[adm.page_ids].shape).to(torch.float16)
+    exporter.pool.commit("s", len(PROMPT))
+    exporter.pool.release("s")
+    payload, _ = exporter.export_prefix(PROMPT, None, None, WorkloadMeta())
+    before = state(importer)
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.data())
+    def refused(data):
+        kind = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        at = data.draw(st.integers(0, len(payload) - 1))
+        if kind == "flip":
+            mangled = payload[:at] + bytes([payload[at] ^ data.draw(st.integers(1, 255))]) + payload[at + 1:]
+        elif kind == "cut":
+            mangled = payload[:at]
+        else:
+            mangled = payload[:at] + data.draw(st.binary(min_size=1, max_size=8)) + payload[at:]
+        with pytest.raises(transfer.TransferError):
+            header, kv = importer.verify_import(mangled)
+            importer.import_prefix(header, kv)
+
+    refused()
+    assert same_state(before, state(importer)) and importer.pool.lookup(PROMPT) == 0
+    header, kv = importer.verify_import(payload)  # the payload itself still imports
+    assert importer.import_prefix(header, kv)["imported_pages"] == 4
+    exporter.close()
+    importer.close()
