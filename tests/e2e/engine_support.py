@@ -56,14 +56,14 @@ class SidecarProcess:
                 time.sleep(0.1)
         raise RuntimeError("the sidecar did not start")
 
-    def kill(self) -> None:
-        """SIGKILL (no clean-up runs), then remove the shared-memory segment it could not unlink."""
+    def kill(self) -> str:
+        """SIGKILL: no clean-up runs, its shared-memory segment stays (the restart removes it); returns its name."""
         assert self.proc is not None
         name = httpx.get(self.url + "/v1/storage/handle").json()["name"]
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.proc = None
-        Path("/dev/shm", name).unlink(missing_ok=True)
+        return name
 
     def stop(self) -> None:
         if self.proc is not None:

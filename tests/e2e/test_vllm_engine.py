@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -87,12 +88,13 @@ def test_c_the_engine_serves_through_a_sidecar_kill_and_uses_kvpool_again_after_
     llm, sidecar = stack
     first, second = pair(300)
     baseline, _ = generate(llm, second, fresh=True)
-    sidecar.kill()
+    stale = sidecar.kill()  # no clean-up runs (the multiprocessing tracker may still unlink the segment)
     for tokens_in in (first, second, second):
         tokens, from_pool = generate(llm, tokens_in)
         assert from_pool == 0
     assert generate(llm, second)[0] == baseline
     sidecar.start()  # a new pool (new epoch): the worker must map it before copying anything
+    assert not Path("/dev/shm", stale).exists()  # the restarted sidecar removed its predecessor's segment
     deadline = time.monotonic() + 30
     from_pool = 0
     while time.monotonic() < deadline and from_pool < PREFIX_BLOCKS * BLOCK:

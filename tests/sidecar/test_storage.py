@@ -160,3 +160,16 @@ def test_row_moves_between_two_tensors_are_bit_exact(dtype):
     assert torch.equal(got[8], engine[5]) and not got[0].any()
     with pytest.raises(ValueError, match="rows differ"):
         kernels.move_rows(engine, src, torch.zeros((9, 95), dtype=dtype), dst)
+
+
+def test_a_named_instance_removes_the_segments_its_killed_predecessor_left():
+    first = KVStorage(ModelShape(**SHAPE), 4, pages=2, shared=True, instance="test-host-1")
+    other = KVStorage(ModelShape(**SHAPE), 4, pages=2, shared=True, instance="test-host-10")
+    stale = first.handle()["name"]
+    first._shm = None  # as if killed: never closed, never unlinked
+    assert os.path.exists(f"/dev/shm/{stale}")
+    second = KVStorage(ModelShape(**SHAPE), 4, pages=2, shared=True, instance="test-host-1")
+    assert not os.path.exists(f"/dev/shm/{stale}") and os.path.exists(f"/dev/shm/{second.handle()['name']}")
+    assert os.path.exists(f"/dev/shm/{other.handle()['name']}")  # another instance's segment is not touched
+    second.close()
+    other.close()

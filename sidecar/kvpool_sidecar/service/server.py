@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,7 +98,11 @@ def build(options: ServeOptions) -> tuple[Sidecar, str | None]:
             raise ServeError(f"--transfer-key-file: {exc}") from None
     storage = None
     if options.kv_shape:
-        storage = KVStorage(parse_shape(options.kv_shape), config.pageSize, pages=options.pages, shared=True)
+        # Named for this instance (host and port: one per sidecar in a pod), so that a restart finds and
+        # removes the segment a killed predecessor left behind.
+        instance = f"{socket.gethostname()}-{options.port}".replace("/", "-")
+        storage = KVStorage(parse_shape(options.kv_shape), config.pageSize, pages=options.pages, shared=True,
+                            instance=instance)
     sidecar = Sidecar(config, options.pages, config_path=options.config, storage=storage, transfer_keys=keys,
                       max_sequences=options.max_sequences)
     sidecar.mark_config_file_read()

@@ -16,6 +16,7 @@ Handshake (the engine's side is :meth:`KVStorage.attach`):
 
 from __future__ import annotations
 
+import os
 import secrets
 import struct
 import sys
@@ -80,6 +81,7 @@ class KVStorage:
         device: str | None = None,
         backend: str | None = None,
         shared: bool = False,
+        instance: str | None = None,
     ) -> None:
         if (pages is None) == (memory_bytes is None):
             raise ValueError("give exactly one of pages or memory_bytes")
@@ -98,7 +100,10 @@ class KVStorage:
         self._shm: shared_memory.SharedMemory | None = None
         if shared and self.device.type == "cpu":
             nbytes = HEADER_BYTES + pages * shape.bytes_per_page(page_size)
-            self._shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"kvpool-{self.epoch:x}")
+            prefix = f"kvpool-{instance}-" if instance else "kvpool-"
+            if instance:
+                remove_stale_segments(prefix)
+            self._shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{prefix}{self.epoch:x}")
             HEADER.pack_into(self._shm.buf, 0, MAGIC, self.epoch)
             self.kv = _tensor_on(self._shm, dims, shape.torch_dtype)
             self.kv.zero_()
@@ -226,6 +231,24 @@ class AttachedKV:
     def close(self) -> None:
         del self.kv
         self._shm.close()
+
+
+SHM_DIR = "/dev/shm"
+
+
+def remove_stale_segments(prefix: str) -> list[str]:
+    """Unlink the segments an earlier run of this instance left (a SIGKILL runs no clean-up). An engine
+    still mapping one keeps its pages until it unmaps; its next job names the new epoch and remaps."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return []
+    for name in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
+    return names
 
 
 def _open_untracked(name: str) -> shared_memory.SharedMemory:
