@@ -30,7 +30,7 @@ def free_port() -> int:
 @contextmanager
 def live_sidecar(
     config: SidecarConfig | None = None, *, pages: int = 256, config_path: Path | None = None,
-    token: str | None = None, poll_interval: float = 0.1, pre_evict_interval: float = 0.0,
+    token: Any = None, poll_interval: float = 0.1, pre_evict_interval: float = 0.0,
     storage: KVStorage | None = None, transfer_keys: TransferKeys | None = None,
 ) -> Iterator[tuple[str, Sidecar]]:
     if config is None:

@@ -135,8 +135,9 @@ def test_serve_refuses_to_expose_the_api_without_a_token(tmp_path):
     with pytest.raises(ServeError, match="at least 16"):
         build(ServeOptions(host="0.0.0.0", token_file=str(short)))
     short.write_text("a-long-enough-token-value")
-    sidecar, token = build(ServeOptions(host="0.0.0.0", token_file=str(short), pages=64))
-    assert token == "a-long-enough-token-value" and sidecar.pool.total_pages == 64
+    sidecar, credentials = build(ServeOptions(host="0.0.0.0", token_file=str(short), pages=64))
+    assert credentials is not None and sidecar.pool.total_pages == 64
+    assert str(credentials.who("a-long-enough-token-value")) == "admin"  # one bare token: the admin
     sidecar.close()
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool_sidecar.cli", "serve", "--host", "0.0.0.0", "--port", "1"],
@@ -248,3 +249,57 @@ def test_the_router_refuses_a_wider_bind_without_a_token(tmp_path):
     token = tmp_path / "token"
     token.write_text("a-long-enough-token-value\n")
     assert router_token(RouterOptions(host="0.0.0.0", token_file=str(token))) == "a-long-enough-token-value"
+
+
+TOKENS = """# role token
+admin   admin-token-0123456789
+engine  engine-token-0123456789
+tenant:acme   acme-token-0123456789
+tenant:globex globex-token-0123456789
+"""
+
+
+def test_a_tenant_credential_acts_only_for_its_tenant():
+    """Issue 21's tenant spoofing: who the caller is comes from its token, not the body."""
+    from kvpool_sidecar.service.credentials import Credentials
+
+    prompt = list(range(1, 17))
+    with live_sidecar(token=Credentials.parse(TOKENS)) as (url, sidecar):
+        admin, engine, acme, globex = (SidecarClient(url, token=f"{name}-token-0123456789")
+                                       for name in ("admin", "engine", "acme", "globex"))
+        acme.admit("a1", prompt)  # names no tenant: taken as acme
+        acme.commit("a1", 16)
+        acme.release("a1")
+        assert engine.lookup(prompt, meta={"tenant": "acme"}) == 16  # the engine acts for any tenant
+        assert globex.lookup(prompt) == 0  # globex's own keys: acme's pages are not there
+        for call in (lambda: globex.lookup(prompt, meta={"tenant": "acme"}),
+                     lambda: globex.admit("g1", prompt, meta={"tenant": "acme"})):
+            with pytest.raises(SidecarError) as err:
+                call()
+            assert (err.value.status, err.value.error, err.value.field) == (403, "forbidden", "meta.tenant")
+        results = globex.batch([{"op": "admit", "seq_id": "g2", "block_hashes": [1, 2], "meta": {"tenant": "acme"}},
+                                {"op": "admit", "seq_id": "g3", "block_hashes": [1, 2]}])
+        assert results[0]["error"]["error"] == "forbidden" and results[1]["ok"]
+        with pytest.raises(SidecarError) as err:
+            acme.release("g3")  # another tenant's sequence is not there for acme
+        assert err.value.status == 404
+        globex.release("g3")
+        pin = acme.pin(prompt)
+        with pytest.raises(SidecarError) as err:
+            globex.unpin(pin["pin_id"])
+        assert err.value.status == 404
+        for call, what in ((lambda: acme.put_config({"tenancy": {"isolation": "none"}}), "changing the config"),
+                           (lambda: acme.storage_handle(), "mapping the pool"),
+                           (lambda: engine.put_config({"tenancy": {"isolation": "none"}}), "changing the config")):
+            with pytest.raises(SidecarError) as err:
+                call()
+            assert err.value.status == 403 and what in err.value.detail
+        assert sidecar.state.config.tenancy.isolation == "perTenant"
+        acme.unpin(pin["pin_id"])
+        admin.put_config({"pageSize": 4, "pinning": {"autoPin": {"enabled": False}}})  # the admin may
+        with pytest.raises(SidecarError) as err:
+            SidecarClient(url, token="not-a-token-0123456789").stats()
+        assert err.value.status == 401
+        for c in (admin, engine, acme, globex):
+            c.close()
+    sidecar.pool.check_invariants()

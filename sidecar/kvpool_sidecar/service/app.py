@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -17,8 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool_sidecar.config import ConfigError, SidecarConfig, validate_config
-from kvpool_sidecar.pool import PoolError, WorkloadMeta
+from kvpool_sidecar.pool import DEFAULT_TENANT, PoolError, WorkloadMeta
 from kvpool_sidecar.service import models as m
+from kvpool_sidecar.service.credentials import ADMIN, Credentials, Principal
 from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import transfer
 
@@ -116,16 +116,44 @@ class BodyLimit:
 
 def bearer_auth(token: str | None) -> Callable[[Request], Awaitable[None]]:
     """A dependency that requires ``Authorization: Bearer <token>`` (nothing when ``token`` is None)."""
+    check = authenticate(Credentials([(token.encode(), ADMIN)]) if token is not None else None)
 
     async def authorize(request: Request) -> None:
-        if token is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
-            raise ApiError(401, "unauthorized", "a valid bearer token is required", "authorization")
+        await check(request)
 
     return authorize
+
+
+def authenticate(credentials: Credentials | None) -> Callable[[Request], Awaitable[Principal]]:
+    """A dependency naming the caller from its bearer token (loopback without a token file: admin)."""
+
+    async def who(request: Request) -> Principal:
+        if credentials is None:
+            return ADMIN
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        principal = credentials.who(given) if scheme.lower() == "bearer" else None
+        if principal is None:
+            raise ApiError(401, "unauthorized", "a valid bearer token is required", "authorization")
+        return principal
+
+    return who
+
+
+def require(who: Principal, *roles: str, what: str) -> None:
+    if who.role not in roles:
+        raise ApiError(403, "forbidden", f"{what} needs the {' or '.join(roles)} role; this credential is {who}",
+                       "authorization")
+
+
+def meta_for(who: Principal, meta: m.Meta) -> WorkloadMeta:
+    """The request's workload metadata, its tenant checked against the credential's."""
+    wm = workload_meta(meta)
+    if who.role != "tenant" or meta.tenant == who.tenant:
+        return wm
+    if meta.tenant == DEFAULT_TENANT:  # not named: the credential's own
+        return WorkloadMeta(wm.workload_class, wm.request_type, wm.turn, str(who.tenant), wm.user)
+    raise ApiError(403, "forbidden", f"this credential acts for tenant {who.tenant!r} only", "meta.tenant")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -164,7 +192,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(
-    sidecar: Sidecar, *, token: str | None = None, serve_metrics: bool = True, poll_interval: float = 0.5,
+    sidecar: Sidecar, *, token: str | Credentials | None = None, serve_metrics: bool = True, poll_interval: float = 0.5,
     pre_evict_interval: float = 1.0, on_shutdown: Callable[[], None] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
@@ -195,66 +223,74 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=lambda path: sidecar.max_body_bytes(path, max_body_bytes))
 
-    v1 = [Depends(bearer_auth(token))]
+    credentials = Credentials([(token.encode(), ADMIN)]) if isinstance(token, str) else token
+    auth = authenticate(credentials)
+    v1 = [Depends(auth)]
 
     @app.post("/v1/sequences", response_model=m.AdmitResponse, dependencies=v1, tags=["sequences"])
-    async def admit(body: m.AdmitRequest) -> m.AdmitResponse:
+    async def admit(body: m.AdmitRequest, who: Principal = Depends(auth)) -> m.AdmitResponse:
         adm = await sidecar.run(
-            sidecar.admit, body.seq_id, body.tokens, body.block_hashes, body.num_tokens, workload_meta(body.meta),
-            heavy=sidecar.is_heavy(body.tokens, body.block_hashes, body.num_tokens),
+            sidecar.admit, body.seq_id, body.tokens, body.block_hashes, body.num_tokens, meta_for(who, body.meta),
+            heavy=sidecar.is_heavy(body.tokens, body.block_hashes, body.num_tokens), owner=who,
         )
         return m.AdmitResponse(seq_id=adm.seq_id, num_cached_tokens=adm.num_cached_tokens, page_ids=adm.page_ids,
                                storage_epoch=sidecar.storage_epoch)
 
     @app.post("/v1/sequences/{seq_id}/commit", response_model=m.CommitResponse, dependencies=v1, tags=["sequences"])
-    async def commit(seq_id: str, body: m.CommitRequest) -> m.CommitResponse:
+    async def commit(seq_id: str, body: m.CommitRequest, who: Principal = Depends(auth)) -> m.CommitResponse:
+        sidecar.check_owner(who, seq_id)
         published = await sidecar.run(sidecar.pool.commit, seq_id, body.num_computed_tokens)
         return m.CommitResponse(seq_id=seq_id, published_pages=published)
 
     @app.post("/v1/sequences/{seq_id}/append", response_model=m.AppendResponse, dependencies=v1, tags=["sequences"])
-    async def append(seq_id: str, body: m.AppendRequest) -> m.AppendResponse:
+    async def append(seq_id: str, body: m.AppendRequest, who: Principal = Depends(auth)) -> m.AppendResponse:
+        sidecar.check_owner(who, seq_id)
         new = await sidecar.run(sidecar.with_evictions, sidecar.pool.append, seq_id, body.num_new_tokens)
         return m.AppendResponse(seq_id=seq_id, new_page_ids=new)
 
     @app.post("/v1/sequences/{seq_id}/fork", response_model=m.ForkResponse, dependencies=v1, tags=["sequences"])
-    async def fork(seq_id: str, body: m.ForkRequest) -> m.ForkResponse:
-        res = await sidecar.run(sidecar.fork, seq_id, body.new_seq_id)
+    async def fork(seq_id: str, body: m.ForkRequest, who: Principal = Depends(auth)) -> m.ForkResponse:
+        sidecar.check_owner(who, seq_id)
+        res = await sidecar.run(sidecar.fork, seq_id, body.new_seq_id, owner=who)
         return m.ForkResponse(seq_id=res.seq_id, page_ids=res.page_ids, copy_src=res.copy_src, copy_dst=res.copy_dst)
 
     @app.delete("/v1/sequences/{seq_id}", status_code=204, dependencies=v1, tags=["sequences"])
-    async def release(seq_id: str) -> Response:
-        await sidecar.run(sidecar.pool.release, seq_id)
+    async def release(seq_id: str, who: Principal = Depends(auth)) -> Response:
+        sidecar.check_owner(who, seq_id)
+        await sidecar.run(sidecar.release, seq_id)
         return Response(status_code=204)
 
     @app.post("/v1/batch", response_model=m.BatchResponse, dependencies=v1, tags=["sequences"])
-    async def batch(body: m.BatchRequest) -> m.BatchResponse:
+    async def batch(body: m.BatchRequest, who: Principal = Depends(auth)) -> m.BatchResponse:
         heavy = any(
             op.op == "admit" and sidecar.is_heavy(op.tokens, op.block_hashes, op.num_tokens) for op in body.ops
         )
         if body.report is not None:
             r = body.report
             sidecar.metrics.observe_engine_report(r.loaded_tokens, r.saved_tokens, r.lookup_seconds, r.failures)
-        return await sidecar.run(_apply_batch, sidecar, body.ops, heavy=heavy)
+        return await sidecar.run(_apply_batch, sidecar, body.ops, who, heavy=heavy)
 
     @app.post("/v1/lookup", response_model=m.LookupResponse, dependencies=v1, tags=["sequences"])
-    async def lookup(body: m.Prompt) -> m.LookupResponse:
+    async def lookup(body: m.Prompt, who: Principal = Depends(auth)) -> m.LookupResponse:
         n = await sidecar.run(
             sidecar.pool.lookup, body.tokens, block_hashes=body.block_hashes, num_tokens=body.num_tokens,
-            meta=workload_meta(body.meta),
+            meta=meta_for(who, body.meta),
         )
         return m.LookupResponse(num_cached_tokens=n)
 
     @app.post("/v1/pins", response_model=m.PinResponse, status_code=201, dependencies=v1, tags=["pins"])
-    async def pin(body: m.PinRequest) -> m.PinResponse:
+    async def pin(body: m.PinRequest, who: Principal = Depends(auth)) -> m.PinResponse:
+        if body.seq_id is not None:
+            sidecar.check_owner(who, body.seq_id)
         record = await sidecar.run(
-            sidecar.pool.pin, body.tokens, block_hashes=body.block_hashes, seq_id=body.seq_id,
-            meta=workload_meta(body.meta), ttl=body.ttl_seconds,
+            sidecar.pin, body.tokens, block_hashes=body.block_hashes, seq_id=body.seq_id,
+            meta=meta_for(who, body.meta), ttl=body.ttl_seconds, owner=who,
         )
         return m.PinResponse(pin_id=record.pin_id, pages=list(record.pages), expires_at=record.expires_at)
 
     @app.delete("/v1/pins/{pin_id}", status_code=204, dependencies=v1, tags=["pins"])
-    async def unpin(pin_id: str) -> Response:
-        await sidecar.run(sidecar.pool.unpin, pin_id)
+    async def unpin(pin_id: str, who: Principal = Depends(auth)) -> Response:
+        await sidecar.run(sidecar.unpin, pin_id, who)
         return Response(status_code=204)
 
     @app.get("/v1/stats", dependencies=v1, tags=["status"])
@@ -268,7 +304,8 @@ def create_app(
     @app.put("/v1/config", response_model=m.ConfigView, dependencies=v1, tags=["config"],
              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                  "schema": {"$ref": "#/components/schemas/SidecarConfig"}}}}})
-    async def put_config(request: Request) -> dict[str, Any]:
+    async def put_config(request: Request, who: Principal = Depends(auth)) -> dict[str, Any]:
+        require(who, "admin", what="changing the config")
         # Validated by the same function as the file, so both name the field and rule alike.
         try:
             body = await request.json()
@@ -286,8 +323,9 @@ def create_app(
         return sidecar.config_view()
 
     @app.get("/v1/storage/handle", dependencies=v1, tags=["storage"])
-    async def storage_handle() -> dict[str, Any]:
+    async def storage_handle(who: Principal = Depends(auth)) -> dict[str, Any]:
         """What the engine needs to map the pool's KV tensor (see kvpool_sidecar.storage.tensors)."""
+        require(who, "admin", "engine", what="mapping the pool")
         if sidecar.storage is None:
             raise ApiError(404, "no_storage", "this sidecar keeps bookkeeping only: start it with --kv-shape")
         try:
@@ -302,8 +340,9 @@ def create_app(
     @app.post("/v1/transfer/export", dependencies=v1, tags=["transfer"], response_class=Response,
               responses={200: {"description": "the prompt's cached leading pages (kvpool page-transfer payload)",
                                "content": {transfer.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
-    async def export_pages(body: m.Prompt) -> Response:
+    async def export_pages(body: m.Prompt, who: Principal = Depends(auth)) -> Response:
         """Export the prompt's cached leading pages (KV and keys) for another sidecar's import."""
+        require(who, "admin", "engine", what="exporting pages")
         payload, pages = await sidecar.run(
             sidecar.export_prefix, body.tokens, body.block_hashes, body.num_tokens, workload_meta(body.meta), heavy=True
         )
@@ -313,11 +352,12 @@ def create_app(
               responses={413: {"model": m.ErrorResponse}, 415: {"model": m.ErrorResponse}},
               openapi_extra={"requestBody": {"required": True, "content": {
                   "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-    async def import_pages(request: Request) -> m.ImportResponse:
+    async def import_pages(request: Request, who: Principal = Depends(auth)) -> m.ImportResponse:
         """Import another sidecar's exported pages: verified, then cached here whole, or refused unchanged.
 
         The body is an export's payload, sent as application/vnd.kvpool.pages or application/octet-stream.
         """
+        require(who, "admin", "engine", what="importing pages")
         kind = request.headers.get("content-type", "").split(";")[0].strip()
         if kind not in (transfer.CONTENT_TYPE, "application/octet-stream"):
             raise ApiError(415, "unsupported_media_type", f"send the export payload as {transfer.CONTENT_TYPE}",
@@ -361,27 +401,33 @@ def create_app(
     return app
 
 
-def _apply_batch(sidecar: Sidecar, ops: list) -> m.BatchResponse:
+def _apply_batch(sidecar: Sidecar, ops: list, who: Principal = ADMIN) -> m.BatchResponse:
     results = []
     pool = sidecar.pool
     for op in ops:
         try:
             if op.op == "admit":
-                adm = sidecar.admit(op.seq_id, op.tokens, op.block_hashes, op.num_tokens, workload_meta(op.meta))
+                adm = sidecar.admit(op.seq_id, op.tokens, op.block_hashes, op.num_tokens, meta_for(who, op.meta),
+                                    owner=who)
                 out: dict[str, Any] = {"seq_id": adm.seq_id, "num_cached_tokens": adm.num_cached_tokens,
                                        "page_ids": adm.page_ids, "storage_epoch": sidecar.storage_epoch}
-            elif op.op == "commit":
-                out = {"seq_id": op.seq_id, "published_pages": pool.commit(op.seq_id, op.num_computed_tokens)}
-            elif op.op == "append":
-                out = {"seq_id": op.seq_id,
-                       "new_page_ids": sidecar.with_evictions(pool.append, op.seq_id, op.num_new_tokens)}
             else:
-                pool.release(op.seq_id)
-                out = {"seq_id": op.seq_id}
+                sidecar.check_owner(who, op.seq_id)
+                if op.op == "commit":
+                    out = {"seq_id": op.seq_id, "published_pages": pool.commit(op.seq_id, op.num_computed_tokens)}
+                elif op.op == "append":
+                    out = {"seq_id": op.seq_id,
+                           "new_page_ids": sidecar.with_evictions(pool.append, op.seq_id, op.num_new_tokens)}
+                else:
+                    sidecar.release(op.seq_id)
+                    out = {"seq_id": op.seq_id}
             results.append(m.BatchResult(ok=True, result=out))
         except PoolError as exc:
             error = m.ErrorResponse(error=_error_name(exc), detail=str(exc), field=exc.field)
             results.append(m.BatchResult(ok=False, error=error))
+        except ApiError as exc:
+            results.append(m.BatchResult(ok=False, error=m.ErrorResponse(error=exc.error, detail=exc.detail,
+                                                                           field=exc.field)))
     return m.BatchResponse(results=results)
 
 

@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 
 from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.service.app import DEFAULT_MAX_BODY_BYTES, create_app
+from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.service.membership import (
     KubernetesMembership,
     MembershipSource,
@@ -75,6 +76,21 @@ def read_token(options: ServeOptions) -> str | None:
     return token
 
 
+def read_credentials(options: ServeOptions) -> Credentials | None:
+    """The API's credentials (``--token-file``: one token, or lines ``ROLE TOKEN``); required beyond loopback."""
+    if options.token_file is None:
+        read_token(options)  # refuses a wider bind without one
+        return None
+    try:
+        text = Path(options.token_file).read_text()
+    except OSError as exc:
+        raise ServeError(f"--token-file {options.token_file}: {exc.strerror}") from None
+    try:
+        return Credentials.parse(text, f"--token-file {options.token_file}")
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
+
+
 def parse_shape(text: str) -> ModelShape:
     parts = text.split(",")
     if len(parts) not in (3, 4):
@@ -85,10 +101,10 @@ def parse_shape(text: str) -> ModelShape:
         raise ServeError(f"--kv-shape: {exc}") from None
 
 
-def build(options: ServeOptions) -> tuple[Sidecar, str | None]:
+def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
     if options.pages < 1:
         raise ServeError("--pages must be at least 1")
-    token = read_token(options)
+    token = read_credentials(options)
     config = load_config(options.config) if options.config else SidecarConfig()
     keys = None
     if options.transfer_key_file:

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 from kvpool_sidecar.config import ConfigError, SidecarConfig, parse_config_text, spec_hash
 from kvpool_sidecar.policies import PolicyError
-from kvpool_sidecar.pool import InvalidRequest, PagePool, PoolError, WorkloadMeta
+from kvpool_sidecar.pool import InvalidRequest, PagePool, PoolError, UnknownPin, UnknownSequence, WorkloadMeta
+from kvpool_sidecar.service.credentials import ADMIN, Principal
 from kvpool_sidecar.service.metrics import SidecarMetrics
 from kvpool_sidecar.storage import KVStorage, transfer
 from kvpool_sidecar.workload import ClassKey, DriftEvent
@@ -89,6 +90,8 @@ class Sidecar:
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
     ) -> None:
         self.transfer_keys = transfer_keys
+        self._seq_owner: dict[str, str] = {}  # who admitted each live sequence (bounded by max_sequences)
+        self._pin_owner: dict[str, str] = {}  # who pinned each pin record
         self.pool = PagePool(pages, config.spec(), clock=clock, max_sequences=max_sequences)
         self.clock = clock
         self.config_path = Path(config_path) if config_path else None
@@ -134,20 +137,44 @@ class Sidecar:
         if self.storage is not None:
             self.storage.close()
 
-    def fork(self, seq_id: str, new_seq_id: str) -> Any:
+    def fork(self, seq_id: str, new_seq_id: str, owner: Principal = ADMIN) -> Any:
         """Fork, and copy the partial last page's KV when this sidecar holds the KV storage."""
         result = self.with_evictions(self.pool.fork, seq_id, new_seq_id)
+        self._seq_owner[new_seq_id] = owner.key
         if self.storage is not None and result.copy_src >= 0:
             self.storage.copy_pages([result.copy_src], [result.copy_dst])
         return result
 
     # ------------------------------------------------------------------------- pool operations
+    # ------------------------------------------------------------------------------ ownership
+    def check_owner(self, who: Principal, seq_id: str) -> None:
+        """A tenant credential sees only the sequences it admitted (others answer as if absent)."""
+        if who.role == "tenant" and self._seq_owner.get(seq_id) != who.key:
+            raise UnknownSequence(f"no sequence {seq_id!r}", "seq_id")
+
+    def release(self, seq_id: str) -> None:
+        self.pool.release(seq_id)
+        self._seq_owner.pop(seq_id, None)
+
+    def pin(self, *args: Any, owner: Principal = ADMIN, **kwargs: Any) -> Any:
+        record = self.pool.pin(*args, **kwargs)
+        self._pin_owner[record.pin_id] = owner.key
+        return record
+
+    def unpin(self, pin_id: str, who: Principal) -> None:
+        """Only the credential that pinned (or an admin) unpins; to the others the pin does not exist."""
+        if who.role != "admin" and self._pin_owner.get(pin_id) != who.key:
+            raise UnknownPin(f"no pin {pin_id!r}", "pin_id")
+        self.pool.unpin(pin_id)
+        self._pin_owner.pop(pin_id, None)
+
     def admit(self, seq_id: str, tokens: list[int] | None, block_hashes: list | None, num_tokens: int | None,
-              meta: WorkloadMeta) -> Any:
+              meta: WorkloadMeta, owner: Principal = ADMIN) -> Any:
         before = dict(self.pool.evictions_by)
         start = time.perf_counter()
         adm = self.pool.admit(seq_id, tokens, block_hashes=block_hashes, num_tokens=num_tokens, meta=meta)
         elapsed = time.perf_counter() - start
+        self._seq_owner[seq_id] = owner.key
         length = len(tokens) if tokens is not None else (num_tokens or len(block_hashes or ()) * self.pool.page_size)
         m = self.metrics
         m.observe_admission(meta.workload_class, adm.num_cached_tokens, length, adm.cross_user_tokens)
