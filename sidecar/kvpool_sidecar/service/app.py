@@ -50,7 +50,7 @@ TRANSFER_STATUS = {"not_cached": 404, "no_storage": 404, "corrupt_payload": 400,
                    "incompatible_payload": 409, "too_large": 413, "unknown_key": 403, "bad_signature": 403,
                    "expired_payload": 403, "no_transfer_key": 503}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": m.ErrorResponse} for code in (400, 401, 404, 409, 422, 503)
+    code: {"model": m.ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
 
 
