@@ -103,7 +103,7 @@ def cmd_router(args: argparse.Namespace) -> int:
             sidecar_port=args.sidecar_port,
             mode=args.mode, host=args.host, port=args.port, membership_interval=args.membership_interval,
             log_level=args.log_level, warm_replicas=args.warm_replicas, sidecar_token_file=args.sidecar_token_file,
-            token_file=args.token_file,
+            token_file=args.token_file, health_path=args.health_path,
         )
     )
     return 0
@@ -200,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="copy a hot prefix's pages from its owner to a replica the first time it lands there")
     rtr.add_argument("--sidecar-token-file", help="bearer token of the sidecars' API (for --warm-replicas)")
     rtr.add_argument("--token-file", help="require this bearer token of /v1 clients (probes and /metrics stay open)")
+    rtr.add_argument("--health-path", default="/health",
+                     help="with --pod: each membership poll probes ENGINE_URL + this; a pod that fails is off the ring")
     rtr.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     rtr.set_defaults(func=cmd_router)
 

@@ -230,3 +230,48 @@ def test_a_router_token_guards_the_v1_api_but_not_probes():
         assert ok.status_code == 200
         assert httpx.get(url + "/readyz").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
     assert sum(service.router.decisions.values()) == 1  # the refused call routed nothing
+
+
+def test_static_pods_that_stop_answering_leave_the_ring_and_come_back():
+    """Issue 21: with 2 of 3 static pods dead, routes still named them and /readyz said ready."""
+    from fastapi import FastAPI, Response
+    from support import free_port
+
+    state = {"healthy": True}
+    app = FastAPI()
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:  # what live_app waits for
+        return {"status": "ok"}
+
+    @app.get("/health")
+    async def health() -> Response:  # the engine's own health endpoint, as vLLM serves it
+        return Response(status_code=200 if state["healthy"] else 503)
+
+    def ready(http: httpx.Client, pods: int) -> bool:
+        answer = http.get("/readyz")
+        return (answer.json().get("pods") == pods) if answer.status_code == 200 else pods == 0
+
+    with live_app(app) as alive:
+        dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+        members = {"a": Endpoint(alive, alive), "b": Endpoint(dead, dead), "c": Endpoint(dead + "/", dead)}
+        service = RouterService(SidecarConfig(), StaticMembership(members), health_path="/health",
+                                health_timeout=0.5)
+        with live_app(create_router_app(service, membership_interval=0.2)) as url, httpx.Client(base_url=url) as http:
+            assert http.get("/readyz").json() == {"status": "ready", "pods": 1, "listed": 3}
+            for i in range(30):
+                assert http.post("/v1/route", json={"tokens": list(range(i, i + 64))}).json()["pod"] == "a"
+            state["healthy"] = False  # the last one fails too: off the ring within a poll
+            wait_until(lambda: ready(http, 0))
+            answer = http.get("/readyz")
+            assert answer.status_code == 503 and "none of the 3 listed pods" in answer.json()["detail"]
+            assert http.post("/v1/route", json={"tokens": list(range(64))}).status_code == 503
+            state["healthy"] = True  # recovered: back on the ring
+            wait_until(lambda: ready(http, 1))
+
+
+def wait_until(predicate: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time limit"
+        time.sleep(0.05)

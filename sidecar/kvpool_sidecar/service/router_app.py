@@ -101,6 +101,8 @@ class RouterService:
         warm_replicas: bool = False,
         sidecar_token: str | None = None,
         warm_retry_seconds: float = 5.0,
+        health_path: str | None = None,
+        health_timeout: float = 1.0,
     ) -> None:
         spec = config.spec()
         self.router = Router(spec.routing, key_spec(spec), mode=mode)
@@ -116,6 +118,11 @@ class RouterService:
         self._warmed: OrderedDict[tuple[Any, str], float] = OrderedDict()  # -> when a next try may start
         self._tasks: set[asyncio.Task[None]] = set()
         self._http: httpx.AsyncClient | None = None
+        # Static pods are probed (a Kubernetes pod list carries readiness already): a pod whose engine
+        # does not answer health_path is off the ring until it answers again.
+        self.health_path = health_path
+        self.health_timeout = health_timeout
+        self.listed = 0  # members the source names, usable or not
 
     # ---------------------------------------------------------------------------- membership
     def apply_members(self, members: dict[str, Endpoint]) -> None:
@@ -133,7 +140,22 @@ class RouterService:
             self.metrics.membership_errors.inc()
             log.warning("membership poll failed, keeping %d pods: %s", len(self.urls), exc)
             return
+        self.listed = len(members)
+        if self.health_path is not None and members:
+            alive = await asyncio.gather(*(self._healthy(e.url) for e in members.values()))
+            down = [pod for pod, ok in zip(members, alive, strict=True) if not ok]
+            if down:
+                log.warning("pods not answering %s, off the ring until they do: %s", self.health_path, down)
+            members = {pod: e for (pod, e), ok in zip(members.items(), alive, strict=True) if ok}
         self.apply_members(members)
+
+    async def _healthy(self, url: str) -> bool:
+        try:
+            assert self._http is not None
+            answer = await self._http.get(url.rstrip("/") + str(self.health_path), timeout=self.health_timeout)
+        except (httpx.HTTPError, OSError):
+            return False
+        return answer.status_code < 500
 
     # -------------------------------------------------------------------------------- config
     def poll_config(self) -> None:
@@ -275,8 +297,8 @@ def create_router_app(service: RouterService, *, membership_interval: float = 5.
     @app.get("/readyz", tags=["status"], responses={503: {"model": m.ErrorResponse}})
     async def readyz() -> dict[str, Any]:
         if not service.router.pods:
-            raise ApiError(503, "no_pods", "no serving pods yet")
-        return {"status": "ready", "pods": len(service.router.pods)}
+            raise ApiError(503, "no_pods", f"none of the {service.listed} listed pods is serving")
+        return {"status": "ready", "pods": len(service.router.pods), "listed": service.listed}
 
     @app.get("/metrics", tags=["status"], include_in_schema=False)
     async def metrics() -> Response:

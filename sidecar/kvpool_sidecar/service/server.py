@@ -155,6 +155,7 @@ class RouterOptions:
     warm_replicas: bool = False
     sidecar_token_file: str | None = None
     token_file: str | None = None  # bearer token required of /v1 clients (optional: routing is read-only)
+    health_path: str = "/health"  # probed on each static pod's engine URL (vLLM serves /health)
 
 
 def build_router(options: RouterOptions) -> RouterService:
@@ -179,7 +180,8 @@ def build_router(options: RouterOptions) -> RouterService:
         except OSError as exc:
             raise ServeError(f"--sidecar-token-file {options.sidecar_token_file}: {exc.strerror}") from None
     return RouterService(config, source, mode=options.mode, config_path=options.config,
-                         warm_replicas=options.warm_replicas, sidecar_token=token)
+                         warm_replicas=options.warm_replicas, sidecar_token=token,
+                         health_path=options.health_path if options.pods else None)
 
 
 def router_token(options: RouterOptions) -> str | None:
