@@ -233,6 +233,7 @@ def test_a_job_from_another_pool_epoch_is_never_copied():
         assert worker.load([LoadJob("r", storage.epoch, [0, 1], [2, 3])]) == set()
         assert not kv["layer.0"][2].any()  # the pool's (zero) page was copied in
         worker.close()
+    storage.close()  # attached in this same process: the tracker no longer holds the segment
 
 
 def test_settings_errors_name_the_field():
