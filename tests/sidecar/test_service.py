@@ -303,3 +303,21 @@ def test_a_tenant_credential_acts_only_for_its_tenant():
         for c in (admin, engine, acme, globex):
             c.close()
     sidecar.pool.check_invariants()
+
+
+def test_owners_of_lapsed_pins_are_forgotten():
+    from kvpool_sidecar.pool import WorkloadMeta
+    from kvpool_sidecar.service.state import Sidecar
+
+    now = [0.0]
+    config = SidecarConfig.model_validate({"pageSize": 4, "pinning": {"quotaPercent": 50,
+                                                                      "autoPin": {"enabled": False}}})
+    sidecar = Sidecar(config, 64, clock=lambda: now[0])
+    sidecar.pool.admit("s", [1, 2, 3, 4])
+    sidecar.pool.commit("s", 4)
+    sidecar.pool.release("s")
+    for _ in range(5000):
+        sidecar.pin([1, 2, 3, 4], meta=WorkloadMeta(), ttl=1.0)
+        now[0] += 2.0  # each pin has lapsed before the next
+    assert len(sidecar._pin_owner) <= 1026  # bounded, not one per pin ever made
+    sidecar.close()

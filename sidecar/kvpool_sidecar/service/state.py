@@ -159,6 +159,10 @@ class Sidecar:
     def pin(self, *args: Any, owner: Principal = ADMIN, **kwargs: Any) -> Any:
         record = self.pool.pin(*args, **kwargs)
         self._pin_owner[record.pin_id] = owner.key
+        if len(self._pin_owner) > 1024:
+            live = self.pool.pins
+            if len(self._pin_owner) > 2 * len(live) + 1024:  # pins that lapsed by TTL: forget their owners
+                self._pin_owner = {pin_id: who for pin_id, who in self._pin_owner.items() if pin_id in live}
         return record
 
     def unpin(self, pin_id: str, who: Principal) -> None:
