@@ -36,11 +36,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvpool_sidecar.engines.tiny_model import KV_SHAPE as TINY_KV_SHAPE
+from kvpool_sidecar.engines.tiny_model import VOCAB as TINY_VOCAB
+from kvpool_sidecar.service.server import parse_shape
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 BLOCK = 32
-SHAPE = "2,1,64,float32"
-BYTES_PER_PAGE = 2 * 2 * BLOCK * 1 * 64 * 4  # layers x K/V x tokens x kv heads x head dim x fp32
+BYTES_PER_PAGE = parse_shape(TINY_KV_SHAPE).bytes_per_page(BLOCK)
 SYSTEMS = ("vllm", "lmcache-lru", "lmcache-arc", "kvpool-lru", "kvpool")
 
 
@@ -103,7 +106,7 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
     from kvpool_sidecar.replay.engine_prompts import engine_prompts
 
     prompts = engine_prompts(read_trace(args.trace), args.start, args.requests, block_size=BLOCK,
-                             max_blocks=args.max_blocks, vocab=512)
+                             max_blocks=args.max_blocks, vocab=TINY_VOCAB)
     services: list[subprocess.Popen] = []
     kv_transfer = None
     sidecar_url = None
@@ -115,7 +118,7 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         port = free_port()
         services.append(subprocess.Popen(
             [bindir / "kvpool-sidecar", "serve", "--port", str(port), "--pages", str(args.pool_pages),
-             "--kv-shape", SHAPE, "--config", str(work / "config.yaml"), "--log-level", "error"]))
+             "--kv-shape", TINY_KV_SHAPE, "--config", str(work / "config.yaml"), "--log-level", "error"]))
         sidecar_url = f"http://127.0.0.1:{port}"
         wait_http(sidecar_url + "/healthz")
         kv_transfer = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_sidecar.engines.vllm",

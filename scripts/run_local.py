@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import yaml
+from kvpool_sidecar.engines.tiny_model import KV_SHAPE, VOCAB
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,6 @@ TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 PORT = int(os.environ.get("KVPOOL_PORT", "8000"))
 REQUESTS = int(os.environ.get("KVPOOL_REQUESTS", "400"))
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32: the pool's pages follow the engine's blocks
-SHAPE = "2,1,64,float32"  # the tiny model: layers, kv heads, head dim, dtype
 POOL_PAGES = 1500
 
 
@@ -49,7 +49,7 @@ def main() -> int:
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     print(f"rendered {POLICY.relative_to(ROOT)} with kvpool-operator render (pageSize {BLOCK}: the engine's block)")
     server = subprocess.Popen([bindir / "kvpool-sidecar", "serve", "--config", str(workdir / "config.yaml"),
-                               "--port", str(PORT), "--pages", str(POOL_PAGES), "--kv-shape", SHAPE,
+                               "--port", str(PORT), "--pages", str(POOL_PAGES), "--kv-shape", KV_SHAPE,
                                "--log-level", "error"])
     url = f"http://127.0.0.1:{PORT}"
     try:
@@ -84,7 +84,7 @@ def replay_through_engine(url: str, workdir: Path) -> None:
     from kvpool_sidecar.replay.engine_prompts import engine_prompts
 
     model = build_tiny_model(Path(tempfile.gettempdir()) / "kvpool-tiny-model")
-    prompts = engine_prompts(read_trace(TRACE), 0, REQUESTS, block_size=BLOCK, max_blocks=60, vocab=512)
+    prompts = engine_prompts(read_trace(TRACE), 0, REQUESTS, block_size=BLOCK, max_blocks=60, vocab=VOCAB)
     print("starting a tiny vLLM engine with the kvpool connector (about 25 s) ...", flush=True)
     from vllm import LLM, SamplingParams
 

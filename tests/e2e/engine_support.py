@@ -15,11 +15,10 @@ from typing import Any
 
 import httpx
 import yaml
+from kvpool_sidecar.engines.tiny_model import KV_SHAPE, VOCAB
 from support import free_port
 
 BLOCK = 32  # vLLM's CPU attention wants a multiple of 32
-SHAPE = "2,1,64,float32"  # the tiny model: 2 layers, 1 kv head, head_dim 64
-VOCAB = 512
 CONNECTOR = "kvpool_sidecar.engines.vllm"
 SIDECAR_BIN = str(Path(sys.executable).with_name("kvpool-sidecar"))
 
@@ -43,7 +42,7 @@ class SidecarProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [SIDECAR_BIN, "serve", "--port", str(self.port), "--pages", str(self.pages), "--kv-shape", SHAPE,
+            [SIDECAR_BIN, "serve", "--port", str(self.port), "--pages", str(self.pages), "--kv-shape", KV_SHAPE,
              "--config", str(self.config_path), "--log-level", "warning"],
             start_new_session=True,
         )

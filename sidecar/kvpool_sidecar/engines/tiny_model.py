@@ -11,13 +11,14 @@ import json
 from pathlib import Path
 
 VOCAB = 512
+KV_SHAPE = "2,1,64,float32"  # the sidecar's --kv-shape for this model: layers, kv heads, head dim, dtype
 CORPUS = (
     "the quick brown fox jumps over the lazy dog. kvpool keeps the pages that come back. "
     "a system prompt, a chat history, a shared document: prefixes that many requests repeat. "
 ) * 40
 
 
-def build_tiny_model(folder: str | Path, *, layers: int = 2, seed: int = 0) -> Path:
+def build_tiny_model(folder: str | Path, *, seed: int = 0) -> Path:
     """Write the model and tokenizer to ``folder`` (reused when already there); returns the folder."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -25,6 +26,7 @@ def build_tiny_model(folder: str | Path, *, layers: int = 2, seed: int = 0) -> P
 
     out = Path(folder)
     stamp = out / "kvpool-tiny.json"
+    layers = int(KV_SHAPE.split(",")[0])
     wanted = {"layers": layers, "seed": seed, "vocab": VOCAB}
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return out

@@ -116,12 +116,17 @@ class BodyLimit:
 
 def bearer_auth(token: str | None) -> Callable[[Request], Awaitable[None]]:
     """A dependency that requires ``Authorization: Bearer <token>`` (nothing when ``token`` is None)."""
-    check = authenticate(Credentials([(token.encode(), ADMIN)]) if token is not None else None)
+    check = authenticate(as_credentials(token))
 
     async def authorize(request: Request) -> None:
         await check(request)
 
     return authorize
+
+
+def as_credentials(token: str | Credentials | None) -> Credentials | None:
+    """One bare token is the admin's (the single-token form); credentials pass as they are."""
+    return Credentials([(token.encode(), ADMIN)]) if isinstance(token, str) else token
 
 
 def authenticate(credentials: Credentials | None) -> Callable[[Request], Awaitable[Principal]]:
@@ -223,8 +228,7 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=lambda path: sidecar.max_body_bytes(path, max_body_bytes))
 
-    credentials = Credentials([(token.encode(), ADMIN)]) if isinstance(token, str) else token
-    auth = authenticate(credentials)
+    auth = authenticate(as_credentials(token))
     v1 = [Depends(auth)]
 
     @app.post("/v1/sequences", response_model=m.AdmitResponse, dependencies=v1, tags=["sequences"])
