@@ -31,13 +31,14 @@ def free_port() -> int:
 def live_sidecar(
     config: SidecarConfig | None = None, *, pages: int = 256, config_path: Path | None = None,
     token: Any = None, poll_interval: float = 0.1, pre_evict_interval: float = 0.0,
-    storage: KVStorage | None = None, transfer_keys: TransferKeys | None = None,
+    storage: KVStorage | None = None, transfer_keys: TransferKeys | None = None, **limits: int,
 ) -> Iterator[tuple[str, Sidecar]]:
     if config is None:
         config = load_config(config_path) if config_path else SidecarConfig.model_validate(
             {"pageSize": 4, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}}}
         )
-    sidecar = Sidecar(config, pages, config_path=config_path, storage=storage, transfer_keys=transfer_keys)
+    sidecar = Sidecar(config, pages, config_path=config_path, storage=storage, transfer_keys=transfer_keys,
+                      **limits)
     sidecar.mark_config_file_read()
     app = create_app(sidecar, token=token, poll_interval=poll_interval, pre_evict_interval=pre_evict_interval)
     with live_app(app) as url:

@@ -80,6 +80,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+LIMIT_FLAGS = ("max_body_bytes", "max_sequences", "max_sequence_tokens", "max_pins_per_owner")
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvpool_sidecar.service.server import ServeOptions, serve
 
@@ -88,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config=args.config, host=args.host, port=args.port, pages=args.pages, token_file=args.token_file,
             metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_level=args.log_level,
             kv_shape=args.kv_shape, transfer_key_file=args.transfer_key_file,
-            **{k: v for k in ("max_body_bytes", "max_sequences") if (v := getattr(args, k)) is not None},
+            **{k: v for k in LIMIT_FLAGS if (v := getattr(args, k)) is not None},
         )
     )
     return 0
@@ -180,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest JSON request body (default 16 MiB; an import may hold the whole pool); larger: 413")
     srv.add_argument("--max-sequences", type=_positive_int,
                      help="live sequences at most (default 16,384); an admission past it: 429")
+    srv.add_argument("--max-sequence-tokens", type=_positive_int,
+                     help="tokens of one sequence, pin or lookup at most (default 1,048,576); longer: 413")
+    srv.add_argument("--max-pins-per-owner", type=_positive_int,
+                     help="live pin records one credential holds at most (default 4,096); past it: 429")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.set_defaults(func=cmd_serve)
 

@@ -82,10 +82,13 @@ class _Model(BaseModel):
 
 
 
+MAX_SELECTOR_ITEMS = 64  # labels, expressions or values in one selector: far past any real one, yet bounded
+
+
 class LabelSelectorRequirement(_Model):
     key: LabelKey
     operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
-    values: list[LabelValue] = Field(default_factory=list)
+    values: list[LabelValue] = Field(default_factory=list, max_length=MAX_SELECTOR_ITEMS)
 
     @model_validator(mode="after")
     def _values_fit_the_operator(self) -> LabelSelectorRequirement:
@@ -97,7 +100,7 @@ class LabelSelectorRequirement(_Model):
 
 
 class LabelSelector(_Model):
-    matchLabels: dict[str, str] = Field(default_factory=dict)
+    matchLabels: dict[str, str] = Field(default_factory=dict, max_length=MAX_SELECTOR_ITEMS)
 
     @field_validator("matchLabels")
     @classmethod
@@ -107,7 +110,7 @@ class LabelSelector(_Model):
             _label_key(key)
             _label_value(value)
         return labels
-    matchExpressions: list[LabelSelectorRequirement] = Field(default_factory=list)
+    matchExpressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=MAX_SELECTOR_ITEMS)
 
     def to_query(self) -> str:
         """The selector as the API server's ``labelSelector`` query string."""
@@ -192,7 +195,7 @@ class Pinning(_Model):
 class Tenancy(_Model):
     isolation: Literal["perTenant", "none"] = "perTenant"
     sharedPrefixes: list[str] = Field(
-        default_factory=list,
+        default_factory=list, max_length=1024,
         description="hex digests of first pages (unsalted) that every tenant may share, e.g. a system prompt",
     )
 

@@ -12,7 +12,7 @@ Invariants (checked by :meth:`PagePool.check_invariants`, named here so that cod
   unless the prefix is declared shared.
 * I4 no orphans: the parent of every indexed page is indexed too; eviction takes descendants first.
 * I5 eviction safety: a page in use or pinned is never in a policy, so never evicted.
-* I6 pin quota: pinned pages never exceed the quota (a lower quota applied live keeps older pins).
+* I6 pin quota: pinned pages never exceed the quota (a lower quota applied live unpins the oldest pins).
 * I7 partitions: a class allocates only inside its partition; it evicts only its own pages.
 * I8 all or nothing: a call that raises leaves the pool exactly as it was.
 * I9 no leaks: with no sequence alive, free + cached pages == total pages.
@@ -88,6 +88,12 @@ class TooManySequences(PoolError):
     """The live-sequence limit is reached (every sequence costs memory, even one that holds no new page)."""
 
     status = 429
+
+
+class TooLong(PoolError):
+    """A sequence (or a prefix to pin or look up) longer than the pool accepts: hashing it alone costs."""
+
+    status = 413
 
 
 class PoolExhausted(PoolError):
@@ -299,11 +305,13 @@ class PagePool:
         policy_factory: PolicyFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_sequences: int | None = None,
+        max_sequence_tokens: int | None = None,
     ) -> None:
         spec = spec or KVCachePolicySpec()
         if total_pages < 1:
             raise InvalidRequest("total_pages must be at least 1", "total_pages")
         self.max_sequences = max_sequences
+        self.max_sequence_tokens = max_sequence_tokens
         n = total_pages
         self.total_pages = n
         self.page_size = spec.pageSize
@@ -384,10 +392,11 @@ class PagePool:
             return self._fixed_factory(ctx)
         return make_policy(spec.eviction.policy, ctx)
 
-    def reconfigure(self, spec: KVCachePolicySpec) -> None:
+    def reconfigure(self, spec: KVCachePolicySpec) -> list[Pin]:
         """Swap parameters on the live pool: no page is dropped; over-full partitions shrink as they evict.
 
-        A new eviction policy takes over the cached pages in their recency order.
+        A new eviction policy takes over the cached pages in their recency order. A quota lowered below
+        the pages pinned unpins the oldest pins until the rest fit (I6); returns the pins so removed.
         """
         if spec.pageSize != self.page_size:
             raise InvalidRequest(
@@ -408,6 +417,17 @@ class PagePool:
         for policy in self._policies:
             policy.configure(spec)
         self._apply(spec)
+        return self._fit_pins_to_quota()
+
+    def _fit_pins_to_quota(self) -> list[Pin]:
+        dropped: list[Pin] = []
+        now = self.clock()
+        for record in list(self._pin_records.values()):  # insertion order: oldest first
+            if self._pinned_pages <= self.pin_quota:
+                break
+            self.unpin(record.pin_id, now)
+            dropped.append(record)
+        return dropped
 
     @property
     def policies(self) -> tuple[EvictionPolicy, ...]:
@@ -441,6 +461,9 @@ class PagePool:
         meta: WorkloadMeta,
     ) -> tuple[list[Hashable], int]:
         """The keys of the request's full pages, and its length in tokens."""
+        if self.max_sequence_tokens is not None:
+            n = len(tokens) if tokens is not None else num_tokens or len(block_hashes or ()) * self.page_size
+            self._check_length(n, "tokens" if tokens is not None else "block_hashes")
         salt = self._salt(meta.tenant) if salted(self._isolate, meta.tenant, tokens is not None) else None
         return prompt_keys(tokens, block_hashes, num_tokens, self.page_size, salt, self._shared_first)
 
@@ -818,6 +841,13 @@ class PagePool:
                 "release finished ones", "seq_id",
             )
 
+    def _check_length(self, num_tokens: int, field: str) -> None:
+        if self.max_sequence_tokens is not None and num_tokens > self.max_sequence_tokens:
+            raise TooLong(
+                f"{num_tokens} tokens: the limit is {self.max_sequence_tokens} per sequence "
+                "(--max-sequence-tokens)", field,
+            )
+
     def _seq(self, seq_id: str) -> _Seq:
         seq = self._seqs.get(seq_id)
         if seq is None:
@@ -903,6 +933,7 @@ class PagePool:
         seq = self._seq(seq_id)
         if num_new_tokens < 0:
             raise InvalidRequest("num_new_tokens must be at least 0", "num_new_tokens")
+        self._check_length(seq.num_tokens + num_new_tokens, "num_new_tokens")
         now = self.clock() if now is None else now
         need = -(-(seq.num_tokens + num_new_tokens) // self.page_size) - len(seq.pages)
         if need > 0:
@@ -1167,6 +1198,10 @@ class PagePool:
     def pins(self) -> dict[str, Pin]:
         return dict(self._pin_records)
 
+    def pin_ids(self) -> set[str]:
+        """The live pins' ids (those past their TTL are gone once any pin call has run)."""
+        return set(self._pin_records)
+
     # ------------------------------------------------------------------------------- reading
     def sequence_pages(self, seq_id: str) -> list[int]:
         return list(self._seq(seq_id).pages)
@@ -1228,6 +1263,7 @@ class PagePool:
         assert pin_counts == self._pins, "I6: pin counts differ from the pin records"
         pinned = sum(1 for c in pin_counts if c)
         assert pinned == self._pinned_pages, "I6: pinned page count drifted"
+        assert pinned <= self.pin_quota, f"I6: {pinned} pages pinned above the quota of {self.pin_quota}"
         owned = [0, 0]
         for page in range(n):
             key = self._key[page]

@@ -321,3 +321,74 @@ def test_owners_of_lapsed_pins_are_forgotten():
         now[0] += 2.0  # each pin has lapsed before the next
     assert len(sidecar._pin_owner) <= 1026  # bounded, not one per pin ever made
     sidecar.close()
+
+
+def test_limits_on_tokens_and_pins_answer_413_and_429_naming_the_limit():
+    """Issue 21's unbounded resources: a 5M-token pin, thousands of pin records on the same pages."""
+    with live_sidecar(pages=64, max_sequence_tokens=64, max_pins_per_owner=3,
+                      config=SidecarConfig.model_validate({"pageSize": 4, "pinning": {
+                          "quotaPercent": 50, "autoPin": {"enabled": False}}})) as (url, sidecar), \
+            SidecarClient(url) as c:
+        c.admit("a", PROMPT)
+        c.commit("a", 17)
+        before = c.stats()
+        for call, field in ((lambda: c.admit("b", list(range(65))), "tokens"),
+                            (lambda: c.pin(list(range(65))), "tokens"),
+                            (lambda: c.lookup(list(range(65))), "tokens"),
+                            (lambda: c.admit("b", block_hashes=list(range(17))), "block_hashes"),
+                            (lambda: c.append("a", 48), "num_new_tokens")):
+            with pytest.raises(SidecarError) as err:
+                call()
+            assert (err.value.status, err.value.error, err.value.field) == (413, "too_long", field)
+            assert "--max-sequence-tokens" in err.value.detail
+        assert c.stats() == before  # nothing admitted, grown or pinned
+        c.append("a", 47)  # 64 tokens: at the limit is allowed
+        c.release("a")
+        pins = [c.pin(PROMPT[:8]) for _ in range(3)]  # the same pages: no new quota used, but records
+        with pytest.raises(SidecarError) as err:
+            c.pin(PROMPT[:8])
+        assert (err.value.status, err.value.error) == (429, "too_many_pins")
+        assert "--max-pins-per-owner" in err.value.detail and c.stats()["pins"] == 3
+        c.unpin(pins[0]["pin_id"])
+        c.pin(PROMPT[:8])  # room again once one is gone
+    sidecar.pool.check_invariants()
+
+
+def test_lowering_the_pin_quota_unpins_the_oldest_and_says_so():
+    config = {"pageSize": 4, "eviction": {"policy": "lru"}, "pinning": {"quotaPercent": 20,
+                                                                        "autoPin": {"enabled": False}}}
+    with live_sidecar(SidecarConfig.model_validate(config), pages=40) as (url, sidecar), SidecarClient(url) as c:
+        prompts = [[100 * i + t for t in range(1, 9)] for i in range(1, 5)]  # 2 pages each: 8 pinned of 8
+        pins = []
+        for i, prompt in enumerate(prompts):
+            c.admit(f"s{i}", prompt)
+            c.commit(f"s{i}", 8)
+            c.release(f"s{i}")
+            pins.append(c.pin(prompt)["pin_id"])
+        assert c.stats()["pinned_pages"] == 8
+        view = c.put_config({**config, "pinning": {"quotaPercent": 10, "autoPin": {"enabled": False}}})
+        assert c.stats()["pinned_pages"] == 4 and c.stats()["pin_quota_pages"] == 4
+        assert set(sidecar.pool.pin_ids()) == set(pins[2:])  # the two oldest went
+        assert "unpinned the 2 oldest pins" in view["notice"] and pins[0] in view["notice"]
+        scrape = httpx.get(url + "/metrics").text
+        assert 'kvpool_pins_removed_total{reason="quota_lowered"} 2.0' in scrape
+        assert c.lookup(prompts[0]) == 8  # unpinned, not evicted: still cached
+        with pytest.raises(SidecarError):
+            c.unpin(pins[0])  # gone
+        view = c.put_config({**config, "pinning": {"quotaPercent": 30, "autoPin": {"enabled": False}}})
+        assert view["notice"] is None
+    sidecar.pool.check_invariants()
+
+
+def test_selector_label_sizes_are_bounded():
+    with live_sidecar() as (url, sidecar), SidecarClient(url) as c:
+        before = sidecar.state.hash
+        for selector, field in (({"matchLabels": {"app": "x" * 64}}, "selector.matchLabels"),
+                                ({"matchLabels": {f"k{i}": "v" for i in range(65)}}, "selector.matchLabels"),
+                                ({"matchExpressions": [{"key": "a", "operator": "In",
+                                                        "values": [str(i) for i in range(65)]}]},
+                                 "selector.matchExpressions.0.values")):
+            with pytest.raises(SidecarError) as err:
+                c.put_config({"pageSize": 4, "selector": selector})
+            assert err.value.status == 422 and err.value.field == field
+        assert sidecar.state.hash == before

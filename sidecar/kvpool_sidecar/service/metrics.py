@@ -64,6 +64,10 @@ class SidecarMetrics:
             "kvpool_config_reloads", "Config reloads by result (applied, unchanged, invalid)", ["result"],
             registry=r,
         )
+        self.pins_removed = Counter(
+            "kvpool_pins_removed", "Pins removed by the sidecar itself (quota_lowered: a config lowered "
+            "pinning.quotaPercent below the pages pinned; the oldest pins go first)", ["reason"], registry=r,
+        )
         self.drift_events = Counter(
             "kvpool_drift_events", "Reuse-rate drift beyond the configured threshold", ["workload_class"],
             registry=r,

@@ -164,6 +164,8 @@ class ConfigView(_Wire):
     generation: int
     source: dict[str, Any] | None
     last_error: str | None
+    notice: str | None = Field(default=None, description="what the config in force did beyond its values, "
+                               "e.g. the oldest pins it removed to fit a lowered pin quota")
     reloads: dict[str, int]
 
 

@@ -23,7 +23,12 @@ from kvpool_sidecar.service.membership import (
     parse_static,
 )
 from kvpool_sidecar.service.router_app import RouterService, create_router_app
-from kvpool_sidecar.service.state import DEFAULT_MAX_SEQUENCES, Sidecar
+from kvpool_sidecar.service.state import (
+    DEFAULT_MAX_PINS_PER_OWNER,
+    DEFAULT_MAX_SEQUENCE_TOKENS,
+    DEFAULT_MAX_SEQUENCES,
+    Sidecar,
+)
 from kvpool_sidecar.storage import KVStorage, ModelShape, transfer
 
 DEFAULT_PAGES = 65_536
@@ -47,6 +52,8 @@ class ServeOptions:
     transfer_key_file: str | None = None  # cluster keys that sign and verify page transfers
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_sequences: int = DEFAULT_MAX_SEQUENCES
+    max_sequence_tokens: int = DEFAULT_MAX_SEQUENCE_TOKENS
+    max_pins_per_owner: int = DEFAULT_MAX_PINS_PER_OWNER
 
 
 def is_loopback(host: str) -> bool:
@@ -120,7 +127,8 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
         storage = KVStorage(parse_shape(options.kv_shape), config.pageSize, pages=options.pages, shared=True,
                             instance=instance)
     sidecar = Sidecar(config, options.pages, config_path=options.config, storage=storage, transfer_keys=keys,
-                      max_sequences=options.max_sequences)
+                      max_sequences=options.max_sequences, max_sequence_tokens=options.max_sequence_tokens,
+                      max_pins_per_owner=options.max_pins_per_owner)
     sidecar.mark_config_file_read()
     return sidecar, token
 

@@ -34,6 +34,14 @@ from kvpool_sidecar.workload import ClassKey, DriftEvent
 log = logging.getLogger("kvpool.sidecar")
 T = TypeVar("T")
 DEFAULT_MAX_SEQUENCES = 16_384  # live sequences one sidecar holds (an engine runs a few hundred at most)
+DEFAULT_MAX_SEQUENCE_TOKENS = 1 << 20  # the longest contexts served today are about a million tokens
+DEFAULT_MAX_PINS_PER_OWNER = 4096  # pin records one credential holds (auto-pins are the pool's own)
+
+
+class TooManyPins(PoolError):
+    """A credential holds as many pin records as it may."""
+
+    status = 429
 HEAVY_PAGES = 2048  # an admission of this many pages may evict as many: ~10 ms, off the event loop
 
 
@@ -74,6 +82,7 @@ class ConfigState:
     reloads: dict[str, int] = field(default_factory=lambda: {"applied": 0, "unchanged": 0, "invalid": 0})
     file_digest: str = ""
     pending_digest: str = ""
+    notice: str | None = None  # what the last applied config did beyond its values (pins it removed)
 
 
 class Sidecar:
@@ -88,11 +97,16 @@ class Sidecar:
         storage: KVStorage | None = None,
         transfer_keys: transfer.TransferKeys | None = None,
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
+        max_sequence_tokens: int = DEFAULT_MAX_SEQUENCE_TOKENS,
+        max_pins_per_owner: int = DEFAULT_MAX_PINS_PER_OWNER,
     ) -> None:
         self.transfer_keys = transfer_keys
         self._seq_owner: dict[str, str] = {}  # who admitted each live sequence (bounded by max_sequences)
         self._pin_owner: dict[str, str] = {}  # who pinned each pin record
-        self.pool = PagePool(pages, config.spec(), clock=clock, max_sequences=max_sequences)
+        self.pins_by_owner: dict[str, set[str]] = {}  # each credential's pins (bounded by max_pins_per_owner)
+        self.max_pins_per_owner = max_pins_per_owner
+        self.pool = PagePool(pages, config.spec(), clock=clock, max_sequences=max_sequences,
+                             max_sequence_tokens=max_sequence_tokens)
         self.clock = clock
         self.config_path = Path(config_path) if config_path else None
         self.state = ConfigState(config, spec_hash(config))
@@ -157,12 +171,22 @@ class Sidecar:
         self._seq_owner.pop(seq_id, None)
 
     def pin(self, *args: Any, owner: Principal = ADMIN, **kwargs: Any) -> Any:
+        """Pin for ``owner``, who may hold at most ``max_pins_per_owner`` live pin records (each costs
+        memory even on pages pinned already, so the page quota alone does not bound them)."""
+        held = self.pins_by_owner.setdefault(owner.key, set())
+        if len(held) >= self.max_pins_per_owner:
+            held &= self.pool.pin_ids()  # forget the ones that lapsed by TTL first
+            if len(held) >= self.max_pins_per_owner:
+                raise TooManyPins(
+                    f"{owner.key} holds {len(held)} pins: the limit is {self.max_pins_per_owner} per credential "
+                    "(--max-pins-per-owner); unpin some or pin with a ttl", "pin_id",
+                )
         record = self.pool.pin(*args, **kwargs)
         self._pin_owner[record.pin_id] = owner.key
-        if len(self._pin_owner) > 1024:
-            live = self.pool.pins
-            if len(self._pin_owner) > 2 * len(live) + 1024:  # pins that lapsed by TTL: forget their owners
-                self._pin_owner = {pin_id: who for pin_id, who in self._pin_owner.items() if pin_id in live}
+        held.add(record.pin_id)
+        if len(self._pin_owner) > 2 * self.pool.stats().pins + 1024:  # lapsed pins: forget their owners
+            live = self.pool.pin_ids()
+            self._pin_owner = {pin_id: who for pin_id, who in self._pin_owner.items() if pin_id in live}
         return record
 
     def unpin(self, pin_id: str, who: Principal) -> None:
@@ -170,7 +194,7 @@ class Sidecar:
         if who.role != "admin" and self._pin_owner.get(pin_id) != who.key:
             raise UnknownPin(f"no pin {pin_id!r}", "pin_id")
         self.pool.unpin(pin_id)
-        self._pin_owner.pop(pin_id, None)
+        self.pins_by_owner.get(self._pin_owner.pop(pin_id, ""), set()).discard(pin_id)
 
     def admit(self, seq_id: str, tokens: list[int] | None, block_hashes: list | None, num_tokens: int | None,
               meta: WorkloadMeta, owner: Principal = ADMIN) -> Any:
@@ -369,6 +393,7 @@ class Sidecar:
             "generation": cfg.source.generation if cfg.source else 0,
             "source": cfg.source.model_dump() if cfg.source else None,
             "last_error": self.state.last_error,
+            "notice": self.state.notice,
             "reloads": dict(self.state.reloads),
         }
 
@@ -399,9 +424,10 @@ class Sidecar:
             self._count("unchanged")
             return "unchanged", None, ""
         try:
-            self.pool.reconfigure(config.spec())
+            unpinned = self.pool.reconfigure(config.spec())
         except (InvalidRequest, PolicyError) as exc:
             return self.reject(f"{origin}: {exc}", getattr(exc, "field", ""))
+        self.state.notice = self._report_unpinned(unpinned, config) if unpinned else None
         self.state.config = config
         self.state.hash = new_hash
         self.state.last_error = None
@@ -409,6 +435,16 @@ class Sidecar:
         self._set_config_metrics()
         log.info("config applied from %s: hash %s, policy %s", origin, new_hash, config.eviction.policy)
         return "applied", None, ""
+
+    def _report_unpinned(self, unpinned: list[Any], config: SidecarConfig) -> str:
+        for record in unpinned:
+            self.pins_by_owner.get(self._pin_owner.pop(record.pin_id, ""), set()).discard(record.pin_id)
+        self.metrics.pins_removed.labels("quota_lowered").inc(len(unpinned))
+        notice = (f"pinning.quotaPercent {config.pinning.quotaPercent} leaves room for {self.pool.pin_quota} "
+                  f"pinned pages: unpinned the {len(unpinned)} oldest pins "
+                  f"({', '.join(r.pin_id for r in unpinned[:8])}{', ...' if len(unpinned) > 8 else ''})")
+        log.warning("%s", notice)
+        return notice
 
     def reject(self, message: str, field: str = "") -> tuple[str, str | None, str]:
         """Record a config that was not applied; the one in force stays."""
