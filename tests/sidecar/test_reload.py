@@ -134,3 +134,23 @@ def test_a_file_cut_short_or_emptied_is_refused_and_the_old_config_stays(tmp_pat
         path.write_text(full.replace("quotaPercent: 10", "quotaPercent: 10.0"))  # the same spec: fine again
         time.sleep(0.5)
         assert c.config()["hash"] == digest
+
+
+def test_file_events_apply_a_change_well_under_a_second(tmp_path):
+    """The poll is set to 30 s here: only the file event (inotify) can apply the change in time."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(with_weights(0.6)))
+    with live_sidecar(config_path=path, poll_interval=30.0) as (url, _), SidecarClient(url) as c:
+        time.sleep(0.3)  # the watch is set up
+        path.write_text(yaml.safe_dump(with_weights(0.9)))
+        took = wait_for(lambda: c.config()["config"]["eviction"]["weights"]["reuse"] == 0.9, timeout=1.0)
+        assert took < 1.0
+    projected = tmp_path / "projected"
+    projected.mkdir()
+    kubelet_projection(projected, with_weights(0.6), 1)
+    with live_sidecar(config_path=projected / "config.yaml", poll_interval=30.0) as (url, _), \
+            SidecarClient(url) as c:
+        time.sleep(0.3)
+        kubelet_projection(projected, with_weights(0.7), 2)
+        took = wait_for(lambda: c.config()["config"]["eviction"]["weights"]["reuse"] == 0.7, timeout=1.0)
+        assert took < 1.0

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
+import watchfiles
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -26,6 +27,9 @@ log = logging.getLogger("kvpool.sidecar")
 DEFAULT_MAX_BODY_BYTES = 16 << 20  # a 2M-token prompt as JSON is about 14 MB
 PRE_EVICT_BATCH = 256  # pages per idle step (about a millisecond): a request never waits long behind one
 IDLE_SECONDS = 0.5
+# A file event is acted on once writes have paused this long (a writer's chunks arrive closer together),
+# and at the latest this long after the first; the watch thread wakes this often to see a shutdown.
+EVENT_SETTLE_MS, EVENT_MAX_WAIT_MS, EVENT_WAKE_MS = 50, 400, 250
 
 
 class ApiError(Exception):
@@ -205,7 +209,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         jobs = []
         if sidecar.config_path is not None:
-            jobs.append(_watch_config(sidecar, poll_interval))
+            jobs += [_config_file_events(sidecar), _poll_config(sidecar, poll_interval)]
         if pre_evict_interval > 0:
             jobs.append(_pre_evict_when_idle(sidecar, pre_evict_interval))
         try:
@@ -435,13 +439,34 @@ def _apply_batch(sidecar: Sidecar, ops: list, who: Principal = ADMIN) -> m.Batch
     return m.BatchResponse(results=results)
 
 
-async def _watch_config(sidecar: Sidecar, interval: float) -> None:
+async def _poll_config(sidecar: Sidecar, interval: float) -> None:
+    """The fallback: a changed file is applied once two polls in a row read the same content."""
     while True:
         try:
             await sidecar.run_background(sidecar.poll_config_file, heavy=True)
         except Exception:  # the watcher must outlive any surprise; the error is logged
             log.exception("config watch failed")
         await asyncio.sleep(interval)
+
+
+async def _config_file_events(sidecar: Sidecar) -> None:
+    """Apply the config file as soon as writes to its directory settle (inotify through watchfiles).
+
+    The directory, not the file, is watched: kubelet replaces a ConfigMap's files by renaming a new
+    ``..data`` symlink into place, which a watch on the old file would never see. Any failure to watch
+    (no inotify, its watch limit reached) leaves the poll to do the job.
+    """
+    assert sidecar.config_path is not None
+    directory = sidecar.config_path.absolute().parent
+    try:
+        async for _ in watchfiles.awatch(directory, watch_filter=None, step=EVENT_SETTLE_MS,
+                                         debounce=EVENT_MAX_WAIT_MS, rust_timeout=EVENT_WAKE_MS):
+            try:
+                await sidecar.run_background(sidecar.poll_config_file, True, heavy=True)
+            except Exception:
+                log.exception("config reload on a file event failed")
+    except (OSError, RuntimeError) as exc:
+        log.warning("cannot watch %s for changes (%s): polling only", directory, exc)
 
 
 async def _pre_evict_when_idle(sidecar: Sidecar, interval: float) -> None:

@@ -469,9 +469,10 @@ class Sidecar:
         if self.config_path is not None:
             self.state.file_digest = hashlib.sha256(self.config_path.read_bytes()).hexdigest()
 
-    def poll_config_file(self) -> str | None:
+    def poll_config_file(self, settled: bool = False) -> str | None:
         """Re-read the config file; apply it when its content changed. Kubelet swaps a ``..data``
-        symlink instead of rewriting the file, so the content, not the inode or mtime, is compared."""
+        symlink instead of rewriting the file, so the content, not the inode or mtime, is compared.
+        ``settled``: a file event saw the writes pause, so one read is enough."""
         if self.config_path is None:
             return None
         try:
@@ -485,7 +486,7 @@ class Sidecar:
         if digest == self.state.file_digest:
             self.state.pending_digest = ""
             return None
-        if digest != self.state.pending_digest:
+        if digest != self.state.pending_digest and not settled:
             # A plain rewrite is not atomic: act on content only once two polls in a row read it
             # (kubelet's symlink swap is atomic, an editor's or a script's write may not be).
             self.state.pending_digest = digest
