@@ -174,3 +174,63 @@ def test_the_engine_is_wired_to_its_sidecar():
     page_bytes = shape.bytes_per_page(docs["KVCachePolicy"]["spec"]["pageSize"])
     limit = volumes[shm["name"]]["emptyDir"]["sizeLimit"]
     assert served.pages * page_bytes <= int(limit.removesuffix("Gi")) * 2**30  # the pool fits its volume
+
+
+def secret_behind(pod: dict, container: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at ``path`` in ``container``, through its mounts and volumes."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for mount in container["volumeMounts"]:
+        directory = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(directory):
+            secret = volumes[mount["name"]]["secret"]
+            name = path.removeprefix(directory)
+            items = secret.get("items", [{"key": name, "path": name}])
+            key = next(item["key"] for item in items if item["path"] == name)
+            return secret["secretName"], key
+    raise AssertionError(f"{container['name']}: nothing mounted at {path}")
+
+
+def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
+    """The sidecar's API, beyond loopback, needs tokens; the engine and the router present the `engine`
+    one from the same Secret; transfers are signed. The Secrets made by the commands in inference.yaml's
+    header are files the CLI accepts, with the roles each reader needs."""
+    from kvpool_sidecar.cli import build_parser
+    from kvpool_sidecar.engines.settings import parse_settings
+    from kvpool_sidecar.service.credentials import Credentials
+    from kvpool_sidecar.storage.transfer import TransferKeys
+
+    deployments = {doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
+                   for _, doc in documents() if doc["kind"] == "Deployment"}
+    pod, router_pod = deployments["qwen-chat"], deployments["kvpool-router"]
+    engine = next(c for c in pod["containers"] if c["name"] == "vllm")
+    sidecar = next(c for c in pod["containers"] if c["name"] == "kvpool-sidecar")
+    router = router_pod["containers"][0]
+    served = build_parser().parse_args(sidecar["args"])
+    routed = build_parser().parse_args(router["args"])
+    transfer = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
+    settings = parse_settings(transfer["kv_connector_extra_config"] | {"token_file": None})
+    assert settings.url.startswith("http://127.0.0.1:")  # the engine stays on loopback
+    assert served.host == "0.0.0.0" and served.token_file and served.transfer_key_file and routed.warm_replicas
+    wired = {
+        "sidecar tokens": secret_behind(pod, sidecar, served.token_file),
+        "engine token": secret_behind(pod, engine, transfer["kv_connector_extra_config"]["token_file"]),
+        "router's sidecar token": secret_behind(router_pod, router, routed.sidecar_token_file),
+        "transfer keys": secret_behind(pod, sidecar, served.transfer_key_file),
+    }
+    assert wired == {"sidecar tokens": ("kvpool-sidecar-tokens", "tokens"),
+                     "engine token": ("kvpool-sidecar-tokens", "engine"),
+                     "router's sidecar token": ("kvpool-sidecar-tokens", "engine"),
+                     "transfer keys": ("kvpool-transfer-keys", "keys")}
+    # Run the header's commands with kubectl replaced by writing each literal to a file.
+    header = [line.removeprefix("#").strip() for line in (MANIFESTS / "examples" / "inference.yaml").read_text()
+              .splitlines() if line.startswith("#   ")]
+    script = "\n".join(header).replace("\\\n", " ")
+    fake_kubectl = tmp_path / "kubectl"
+    fake_kubectl.write_text('#!/bin/bash\nname=$6; shift 6\nfor kv in "$@"; do kv=${kv#--from-literal=}; '
+                            'mkdir -p "$OUT/$name"; printf "%s" "${kv#*=}" > "$OUT/$name/${kv%%=*}"; done\n')
+    fake_kubectl.chmod(0o755)
+    subprocess.run(["bash", "-ec", script], check=True, env={"PATH": f"{tmp_path}:/usr/bin:/bin", "OUT": str(tmp_path)})
+    credentials = Credentials.parse((tmp_path / "kvpool-sidecar-tokens" / "tokens").read_text())
+    engine_token = (tmp_path / "kvpool-sidecar-tokens" / "engine").read_text()
+    assert credentials.who(engine_token).role == "engine"  # page transfer and mapping the pool
+    assert TransferKeys.load(tmp_path / "kvpool-transfer-keys" / "keys").signing[0] == "k1"
