@@ -53,6 +53,8 @@ def _policies(namespace: str) -> list[PolicyRef]:
     refs = []
     for item in items:
         meta = item.get("metadata", {})
+        if meta.get("deletionTimestamp"):
+            continue  # on its way out (its delete handler runs with the finalizer): it no longer wins
         try:
             selector = LabelSelector.model_validate((item.get("spec") or {}).get("selector") or {})
         except ValueError:
@@ -171,10 +173,29 @@ def resync(spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, nam
 
 
 @kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
-def delete(name: str, namespace: str, **_: Any) -> None:
-    """Delete the ConfigMap explicitly (garbage collection through ownerReferences is a second net)."""
+def delete(name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
+    """Delete the ConfigMap explicitly (garbage collection through ownerReferences is a second net),
+    then let the younger policies this one held back write theirs now rather than at the next resync."""
     try:
         _core().delete_namespaced_config_map(configmap_name(name), namespace)
     except ApiException as exc:
         if exc.status != 404:
             raise
+    _release_held_back(name, namespace, logger)
+
+
+def _release_held_back(name: str, namespace: str, logger: logging.Logger) -> None:
+    api = kubernetes.client.CustomObjectsApi()
+    for item in api.list_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL).get("items", []):
+        meta, status = item.get("metadata", {}), item.get("status") or {}
+        if meta.get("name") == name or meta.get("deletionTimestamp") or not _in_conflict(status):
+            continue
+        try:
+            policy = validate_spec(item.get("spec") or {})
+        except ConfigError:
+            continue
+        new_status = _write_unless_superseded(meta["name"], namespace, meta, policy,
+                                              int(meta.get("generation") or 0), status)
+        api.patch_namespaced_custom_object_status(API_GROUP, API_VERSION, namespace, PLURAL, meta["name"],
+                                                  {"status": new_status})
+        logger.info("policy %s no longer held back by %s: its ConfigMap is written", meta["name"], name)

@@ -112,6 +112,14 @@ def test_create_update_invalid_conflict_delete(cluster):
     assert "chat" in st["message"]
     assert _gone(core, "kvpool-chat2")  # the younger policy writes no ConfigMap while the older one wins
 
+    # The older one goes: its ConfigMap goes, and the younger writes its own at once (not at a resync).
+    api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat")
+    wait_for(lambda: _gone(core, "kvpool-chat"))
+    taken_over = wait_for(lambda: not _gone(core, "kvpool-chat2") and configmap(core, "chat2"), timeout=10)
+    assert taken_over["source"]["name"] == "chat2"
+    st = wait_for(lambda: (s := status(api, "chat2")) and cond(s, "Conflict").get("status") != "True" and s)
+    assert st["configMap"] == "kvpool-chat2"
+
     # Delete: the ConfigMap goes.
     api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat2")
     wait_for(lambda: _gone(core, "kvpool-chat2"))
