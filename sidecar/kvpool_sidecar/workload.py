@@ -26,8 +26,10 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from kvpool_sidecar.config import KVCachePolicySpec, parse_duration
+from kvpool_sidecar.keys import workload_class_of
 
-ClassKey = Hashable  # (workload class, request type, turn bucket) from the pool's WorkloadMeta
+StatsClass = Hashable  # a keys.StatsClass, or the 1-tuple of its workload class that pools it
+PREFIX_RATE_WINDOW = 10.0  # seconds over which a prefix's QPS is measured (auto-pin, the router's hot prefixes)
 PRIOR_REUSE_PROBABILITY = 0.5
 _MIN_P, _MAX_P = 0.01, 0.99
 _DRIFT_CHECK_EVERY = 64  # reuse observations between drift checks of a class
@@ -43,7 +45,7 @@ FIT_HALF_LIFE_SECONDS = 1800.0  # the fit forgets half its evidence in this time
 class ClassFit:
     """Decayed sufficient statistics of one class."""
 
-    klass: ClassKey
+    klass: StatsClass
     prior_rate: float  # reuses per second
     releases: float = 0.0  # page releases (each could be followed by a reuse)
     reuses: float = 0.0  # page reuses observed
@@ -65,38 +67,32 @@ class ClassFit:
 
 @dataclass(frozen=True, slots=True)
 class DriftEvent:
-    klass: ClassKey
+    klass: StatsClass
     reference_rate: float
     fitted_rate: float
     at: float
     adopted: bool
 
 
-def _parent(klass: ClassKey) -> ClassKey:
+def _parent(klass: StatsClass) -> StatsClass:
     """The workload class a finer class belongs to; a workload class is its own parent."""
     if isinstance(klass, tuple) and len(klass) > 1:
         return (klass[0],)
     return klass
 
 
-def workload_class_of(klass: ClassKey) -> str:
-    if isinstance(klass, tuple) and klass:
-        return str(klass[0])
-    return "toC"
-
-
 class ReuseModel:
     """Per-class fits plus drift detection; the pool feeds it, policies and metrics read it."""
 
     def __init__(self, spec: KVCachePolicySpec, *, half_life: float | None = None) -> None:
-        self._fits: dict[ClassKey, ClassFit] = {}
-        self._pairs: dict[ClassKey, tuple[ClassFit, ClassFit]] = {}  # fits are never dropped
+        self._fits: dict[StatsClass, ClassFit] = {}
+        self._pairs: dict[StatsClass, tuple[ClassFit, ClassFit]] = {}  # fits are never dropped
         # Counters decay with time (the caller's clock), all three together, so that their ratios
         # stay unbiased however the observations are batched.
         self._decay_per_second = math.log(2.0) / (half_life or FIT_HALF_LIFE_SECONDS)
         self.drift_events: list[DriftEvent] = []
         self.on_drift: Callable[[DriftEvent], None] | None = None
-        self.on_reuse: Callable[[ClassKey, int, float], None] | None = None  # (class, pages, summed gaps)
+        self.on_reuse: Callable[[StatsClass, int, float], None] | None = None  # (class, pages, summed gaps)
         # Set by a pool that reports every page's way out (reused, or forgotten by its ghost): the
         # fit then counts the pages still waiting as censored at their age (see _em_step).
         self.track_at_risk = False
@@ -113,22 +109,22 @@ class ReuseModel:
         self.cold_start_seconds = parse_duration(spec.learning.coldStartPeriod)
         self.drift_threshold = spec.learning.driftThresholdPercent / 100.0
         self.refit_on_drift = spec.learning.refitOnDrift
-        self._shape: dict[ClassKey, tuple[ClassKey | None, float, float]] = {}
+        self._shape: dict[StatsClass, tuple[StatsClass | None, float, float]] = {}
         for klass, fit in self._fits.items():
             fit.prior_rate = self._prior_for(klass)
 
-    def _prior_for(self, klass: ClassKey) -> float:
+    def _prior_for(self, klass: StatsClass) -> float:
         return self._prior_rate.get(workload_class_of(klass), self._prior_rate["toC"])
 
-    def window_of(self, klass: ClassKey) -> float:
+    def window_of(self, klass: StatsClass) -> float:
         return self.windows.get(workload_class_of(klass), self.windows["toC"])
 
-    def _fit_pair(self, klass: ClassKey) -> tuple[ClassFit, ClassFit]:
+    def _fit_pair(self, klass: StatsClass) -> tuple[ClassFit, ClassFit]:
         """The fits an observation of ``klass`` updates, its own and its workload class's (first time)."""
         pair = self._pairs[klass] = (self._fit(klass), self._fit(_parent(klass)))
         return pair
 
-    def _fit(self, klass: ClassKey) -> ClassFit:
+    def _fit(self, klass: StatsClass) -> ClassFit:
         fit = self._fits.get(klass)
         if fit is None:
             fit = self._fits[klass] = ClassFit(klass, self._prior_for(klass))
@@ -146,7 +142,7 @@ class ReuseModel:
             fit.exposure *= d
             fit.updated_at = now
 
-    def observe_release(self, klass: ClassKey, pages: int, now: float) -> None:
+    def observe_release(self, klass: StatsClass, pages: int, now: float) -> None:
         for fit in self._pairs.get(klass) or self._fit_pair(klass):
             if now > fit.updated_at:
                 self._age(fit, now)
@@ -169,7 +165,7 @@ class ReuseModel:
         if fit.at_risk <= 0.0:  # sampled reports overshoot a little: the set is empty, not negative
             fit.at_risk = fit.at_risk_released = 0.0
 
-    def observe_censored(self, klass: ClassKey, pages: float, exposure: float, now: float) -> None:
+    def observe_censored(self, klass: StatsClass, pages: float, exposure: float, now: float) -> None:
         """``pages`` released pages were watched for ``exposure`` seconds in all and not reused.
 
         Moves the censored fit one EM step (the workload class's first: a class shrinks towards it),
@@ -197,7 +193,7 @@ class ReuseModel:
                 continue  # nothing seen unreused yet: the plain estimate stands
             fit.em = _em_step(fit, k, prior_p, prior_rate, now)
 
-    def observe_reuse(self, klass: ClassKey, pages: int, gap_sum: float, now: float) -> None:
+    def observe_reuse(self, klass: StatsClass, pages: int, gap_sum: float, now: float) -> None:
         """``pages`` cached pages were reused; ``gap_sum`` is their summed time since last release."""
         if pages <= 0:
             return
@@ -226,15 +222,15 @@ class ReuseModel:
             self._em(_em_order(own, parent), parent, now)
 
     # --------------------------------------------------------------------------------- the fit
-    def rate(self, klass: ClassKey) -> float:
+    def rate(self, klass: StatsClass) -> float:
         """Fitted reuse rate (per second), shrunk towards its parent's (see :meth:`params`)."""
         return self.params(klass)[1]
 
-    def reuse_probability(self, klass: ClassKey) -> float:
+    def reuse_probability(self, klass: StatsClass) -> float:
         """Probability that a released page is ever reused (1 - the never-reused mass)."""
         return self.params(klass)[0]
 
-    def params(self, klass: ClassKey) -> tuple[float, float, float]:
+    def params(self, klass: StatsClass) -> tuple[float, float, float]:
         """(:meth:`reuse_probability`, :meth:`rate`, :meth:`window_of`) of a class in one pass."""
         shape = self._shape.get(klass)
         if shape is None:  # what depends on the configuration only, kept until the next configure()
@@ -257,14 +253,14 @@ class ReuseModel:
         p = (fit.reuses + k * prior_p) / (fit.releases + k)
         return min(max(p, _MIN_P), _MAX_P), (fit.reuses + k) / (fit.gap_sum + k / prior_rate), window
 
-    def p_reuse(self, klass: ClassKey, age: float, window: float | None = None) -> float:
+    def p_reuse(self, klass: StatsClass, age: float, window: float | None = None) -> float:
         """P(reused within the next ``window`` | not reused for ``age`` seconds)."""
         p, lam, w = self.params(klass)
         if window is not None:
             w = window
-        return p_reuse(p, lam, age, w)
+        return p_reuse(p, lam, age, reuse_within(lam, w))
 
-    def classes(self) -> dict[ClassKey, tuple[float, float, int]]:
+    def classes(self) -> dict[StatsClass, tuple[float, float, int]]:
         """Per class (and per workload class): fitted rate (per minute), reuse probability, reuses seen."""
         return {
             k: (self.rate(k) * 60.0, self.reuse_probability(k), f.total_reuses) for k, f in self._fits.items()
@@ -298,10 +294,16 @@ def _em_order(own: ClassFit, parent: ClassFit) -> tuple[ClassFit, ...]:
     return (parent, own) if own is not parent else (own,)
 
 
-def p_reuse(p: float, lam: float, age: float, window: float) -> float:
-    """The conditional reuse probability of the module docstring, for one page."""
+def reuse_within(lam: float, window: float) -> float:
+    """P(a gap shorter than ``window``) at rate ``lam``: the age-free factor of :func:`p_reuse`."""
+    return 1.0 - math.exp(-lam * window)
+
+
+def p_reuse(p: float, lam: float, age: float, within: float) -> float:
+    """The conditional reuse probability of the module docstring, for one page (``within``:
+    :func:`reuse_within` of its class's rate and window, computed once per class)."""
     survive = p * math.exp(-lam * age)
-    return survive * (1.0 - math.exp(-lam * window)) / (survive + 1.0 - p)
+    return survive * within / (survive + 1.0 - p)
 
 
 class DecayedCounter:

@@ -7,8 +7,16 @@ from typing import Any
 
 import pytest
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies import NO_PAGE, POLICIES, PageTree, PolicyContext, make_policy
-from kvpool_sidecar.policies.workload_aware import WorkloadAwareExactPolicy, WorkloadAwarePolicy
+from kvpool_sidecar.policies import (
+    NO_PAGE,
+    POLICIES,
+    PageTree,
+    PolicyBase,
+    PolicyContext,
+    WorkloadAwareExactPolicy,
+    WorkloadAwarePolicy,
+    make_policy,
+)
 from kvpool_sidecar.pool import PagePool, WorkloadMeta
 from kvpool_sidecar.workload import ReuseModel
 
@@ -85,7 +93,7 @@ def filled(name: str, seed: int) -> tuple[Any, float]:
     return policy, now + 1.0
 
 
-@pytest.mark.parametrize("name", [name for name in sorted(POLICIES) if hasattr(POLICIES[name], "victims")])
+@pytest.mark.parametrize("name", [name for name in sorted(POLICIES) if POLICIES[name].bulk])
 @pytest.mark.parametrize("seed", range(4))
 def test_victims_named_in_bulk_are_the_victims_named_one_by_one(name: str, seed: int) -> None:
     no_links = ([-1] * 300, [-1] * 300)
@@ -98,7 +106,7 @@ def test_victims_named_in_bulk_are_the_victims_named_one_by_one(name: str, seed:
     assert len(bulk) == len(one_by_one) == 100
 
 
-@pytest.mark.parametrize("name", [name for name in sorted(POLICIES) if hasattr(POLICIES[name], "restore")])
+@pytest.mark.parametrize("name", [n for n in sorted(POLICIES) if POLICIES[n].restore is not PolicyBase.restore])
 def test_victims_put_back_come_out_again_in_the_same_order(name: str) -> None:
     policy, now = filled(name, 1)
     named = policy.victims(now, 50, ([-1] * 300, [-1] * 300))
@@ -322,7 +330,7 @@ def test_exact_policy_is_the_true_arg_min_of_the_rank():
         depth = rng.randrange(length)
         policy.insert([page], [depth], length, now, klass)
         meta[page] = (klass, depth, length, now)
-    from kvpool_sidecar.policies.workload_aware import locality_level
+    from kvpool_sidecar.policies.scoring import locality_level
 
     for _ in range(100):
         now += 5.0
@@ -339,7 +347,7 @@ def test_exact_policy_is_the_true_arg_min_of_the_rank():
 def test_pages_released_together_go_tail_first_by_their_locality_level() -> None:
     """One class, one release time, no protection: the bucketed policy orders pages by the same
     locality level as the score (the tail of each prompt first), oldest first within a level."""
-    from kvpool_sidecar.policies.workload_aware import locality_level
+    from kvpool_sidecar.policies.scoring import locality_level
 
     spec = KVCachePolicySpec.model_validate({"eviction": {"protectedPercent": 0}})
     policy = WorkloadAwarePolicy(ctx(spec))

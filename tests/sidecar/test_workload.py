@@ -8,7 +8,7 @@ import random
 
 import pytest
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.workload import PRIOR_REUSE_PROBABILITY, ReuseModel, p_reuse
+from kvpool_sidecar.workload import PRIOR_REUSE_PROBABILITY, ReuseModel, p_reuse, reuse_within
 
 CHAT = ("toC", "text", 0)
 API = ("toB", "api", 0)
@@ -136,8 +136,8 @@ def test_pages_still_waiting_are_censored_at_their_age_so_a_long_watch_does_not_
 def test_never_reused_mass_makes_old_pages_worthless():
     # With p = 1 an exponential is memoryless: age changes nothing. With p < 1, waiting is evidence
     # that the page belongs to the never-reused mass.
-    assert math.isclose(p_reuse(1.0, 0.01, 0, 60), p_reuse(1.0, 0.01, 500, 60))
-    young, old = p_reuse(0.3, 0.01, 0, 60), p_reuse(0.3, 0.01, 500, 60)
+    assert math.isclose(p_reuse(1.0, 0.01, 0, reuse_within(0.01, 60)), p_reuse(1.0, 0.01, 500, reuse_within(0.01, 60)))
+    young, old = p_reuse(0.3, 0.01, 0, reuse_within(0.01, 60)), p_reuse(0.3, 0.01, 500, reuse_within(0.01, 60))
     assert old < young / 5
 
 

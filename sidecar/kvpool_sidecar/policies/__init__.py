@@ -8,6 +8,7 @@ from kvpool_sidecar.policies.base import (
     NO_PAGE,
     EvictionPolicy,
     PageTree,
+    PolicyBase,
     PolicyContext,
     PolicyError,
     has_unnamed_child,
@@ -15,7 +16,8 @@ from kvpool_sidecar.policies.base import (
 from kvpool_sidecar.policies.fifo import FIFOPolicy, S3FIFOPolicy
 from kvpool_sidecar.policies.lfu import LFUPolicy
 from kvpool_sidecar.policies.lru import LRUPolicy
-from kvpool_sidecar.policies.workload_aware import WorkloadAwareExactPolicy, WorkloadAwarePolicy
+from kvpool_sidecar.policies.workload_aware import WorkloadAwarePolicy
+from kvpool_sidecar.policies.workload_exact import WorkloadAwareExactPolicy
 
 PolicyFactory = Callable[[PolicyContext], EvictionPolicy]
 
@@ -45,6 +47,7 @@ __all__ = [
     "LFUPolicy",
     "LRUPolicy",
     "PageTree",
+    "PolicyBase",
     "PolicyContext",
     "PolicyError",
     "PolicyFactory",

@@ -3,7 +3,7 @@
 The pool owns page state. A policy orders the *evictable* pages of one partition (cached, refcount 0,
 not pinned) and names a victim. Calls on the request path are O(1) or amortised O(1).
 
-A policy may also name victims in bulk, ``victims(now, count, (first_child, next_sibling)) ->
+A policy may also name victims in bulk (it sets ``bulk``), ``victims(now, count, (first_child, next_sibling)) ->
 list[int]``: the next ``count`` victims (``count <= len(policy)``) in the order
 :meth:`EvictionPolicy.victim` would give them. The two sequences are the pool's prefix tree, read-only
 (``NO_PAGE`` ends a list): a victim with a child that is not an earlier victim of the same call has
@@ -14,8 +14,12 @@ before it, so it names without looking). The workload-aware policy reads the tre
 (:class:`PageTree`) and passes over a page with cached descendants until they are gone: ranking
 pages of different classes, it would otherwise cut whole subtrees (every chat under a system prompt).
 
-A policy may offer ``check()``, which asserts the consistency of its own structure; the pool's
-``check_invariants`` calls it (LRU checks its linked ring).
+``check()`` asserts the consistency of a policy's own structure; the pool's ``check_invariants``
+calls it (LRU checks its linked ring). ``uses_model``: the policy ranks by the reuse model, so the
+pool keeps a ghost of evicted keys to feed the model the reuses that come after an eviction.
+
+Every member is in :class:`EvictionPolicy`; :class:`PolicyBase` gives the optional ones their
+defaults (no bulk, no model, nothing to check), so the pool never probes a policy for what it has.
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ class PolicyContext:
 
 class EvictionPolicy(Protocol):
     name: str
+    bulk: bool  # it names victims in bulk: ``victims`` (and, if it does not stop early, ``restore``)
+    uses_model: bool  # it ranks by the reuse model: the pool keeps the ghost of evicted keys
 
     def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
         """``pages`` became evictable at ``now``, least valuable first (a prompt's tail before its head).
@@ -85,9 +91,34 @@ class EvictionPolicy(Protocol):
     def configure(self, spec: KVCachePolicySpec) -> None:
         """New parameters on the live pool; nothing is re-inserted."""
 
+    def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
+        """The next ``count`` victims in bulk (see the module's notes); only called when ``bulk``."""
+
+    def restore(self, pages: list[int]) -> None:
+        """Put back, in front and in order, victims a bulk call named after a page with descendants."""
+
+    def check(self) -> None:
+        """Assert the consistency of the policy's own structure."""
+
     def __len__(self) -> int: ...
 
     def __contains__(self, page: int) -> bool: ...
+
+
+class PolicyBase:
+    """The optional capabilities' defaults: one victim at a time, no model, nothing of its own to check."""
+
+    bulk = False
+    uses_model = False
+
+    def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
+        raise NotImplementedError(f"{type(self).__name__} names victims one at a time (bulk is False)")
+
+    def restore(self, pages: list[int]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} stops a bulk call at a page with descendants")
+
+    def check(self) -> None:
+        return None
 
 
 class PolicyError(ValueError):

@@ -10,10 +10,10 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies.base import PolicyContext
+from kvpool_sidecar.policies.base import PolicyBase, PolicyContext
 
 
-class FIFOPolicy:
+class FIFOPolicy(PolicyBase):
     name = "fifo"
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:
@@ -61,7 +61,7 @@ class FIFOPolicy:
         return page in self._queue and page not in self._held
 
 
-class S3FIFOPolicy:
+class S3FIFOPolicy(PolicyBase):
     """S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO, a main FIFO and a ghost of keys.
 
     New pages enter the small queue (10 %); leaving it, a page that was reused moves to the main

@@ -6,10 +6,10 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies.base import PolicyContext
+from kvpool_sidecar.policies.base import PolicyBase, PolicyContext
 
 
-class LFUPolicy:
+class LFUPolicy(PolicyBase):
     name = "lfu"
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:

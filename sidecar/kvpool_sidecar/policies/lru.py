@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies.base import NO_PAGE, PolicyContext
+from kvpool_sidecar.policies.base import NO_PAGE, PolicyBase, PolicyContext
 
 
-class LRUPolicy:
+class LRUPolicy(PolicyBase):
     """A doubly linked list threaded through two arrays indexed by page id, closed into a ring by a
     sentinel slot past the last page: the least recent page follows the sentinel, the most recent
     precedes it.
@@ -17,6 +17,8 @@ class LRUPolicy:
     times as much per page inserted and evicted, and the pool 64 more bytes per cached page.
     ``prev`` of a page outside the list is ``NO_PAGE`` (membership without a set).
     """
+
+    bulk = True
 
     name = "lru"
 

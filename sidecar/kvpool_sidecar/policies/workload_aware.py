@@ -1,9 +1,5 @@
-"""The workload-aware policy: evict the lowest Score = alpha*P_reuse + beta*S_locality + gamma*T_window.
-
-* ``P_reuse`` comes from the per-class reuse model (:mod:`kvpool_sidecar.workload`).
-* ``S_locality`` decays with the page's index in its prompt: head pages (system prompts, chat history)
-  serve every later turn, tail pages only the exact same continuation.
-* ``T_window`` is 1 while the page is younger than its class's window, 0 after: expired pages go first.
+"""The workload-aware policy: evict the lowest alpha*P_reuse + beta*S_locality + gamma*T_window
+(the score: :mod:`.scoring`).
 
 Two implementations of one rule:
 
@@ -17,10 +13,8 @@ the choice stays a choice. A protected segment (``protectedPercent`` of the page
 that score in the top share when released; it is evicted from only when nothing else is left, and a
 page leaves it when its current score drops out of the top share or its window expires.
 
-``workload_aware_exact`` evaluates the full score, at eviction time, of every candidate that can be
-the minimum. Within one (class, locality level) group the rank never improves with age, so the oldest
-page of each group is the only candidate in it: scanning the group heads (and the few deferred pages
-whose descendants have gone) is an exact arg-min over all pages without cached descendants.
+``workload_aware_exact`` (:mod:`.workload_exact`) evaluates the full score, at eviction time, of every
+candidate that can be the minimum: the yardstick of this policy's decisions.
 
 Both rank pages by (expired, score): a page past its class's window goes before any page inside it,
 whatever its score (a stale system prompt must not outlive a fresh conversation).
@@ -36,195 +30,33 @@ chats under it, and the pool would have to evict all of them with it: on the syn
 from __future__ import annotations
 
 import math
-from bisect import insort
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from heapq import heapify, heappop, heapreplace
 from itertools import islice
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies.base import NO_PAGE, PageTree, PolicyContext, has_unnamed_child
-from kvpool_sidecar.workload import ReuseModel
+from kvpool_sidecar.policies.class_queue import BID, KLASS, LEVEL, MERGE_BELOW, PAGE, RELEASED, ClassQueue
+from kvpool_sidecar.policies.scoring import LOCALITY_LEVELS, Scoring, TopShare
+from kvpool_sidecar.workload import reuse_within
 
-BUCKETS_PER_WINDOW = 8
-MERGE_BELOW = 64  # live pages under which the oldest bucket is merged into the next
-LOCALITY_LEVELS = 16  # S_locality is quantised so that the exact variant has few (class, level) groups
-_HIST_BINS = 64
 _DEMOTE_PER_CALL = 32
-_THRESHOLD_EVERY = 64  # sampled scores between threshold updates
 _RECHECK_PER_CALL = 32  # deferred pages looked at again per new ``now`` (descendants gone unnamed)
-
-
-def locality_level(depth: int, length: int) -> int:
-    """How far from its prompt's tail a page is, in 1/16ths: the first page is 16, the last 1 or more.
-
-    Relative rather than absolute: what is worth keeping of a prompt is its head, and the tails of
-    all prompts compete on their reuse probability alone.
-    """
-    if depth >= length:
-        return 1
-    return LOCALITY_LEVELS - (depth * LOCALITY_LEVELS) // length
-
-
-def locality(level: int) -> float:
-    return level / LOCALITY_LEVELS
-
-
-class _Scoring:
-    """Weights and model shared by both implementations."""
-
-    uses_model = True  # the pool keeps a ghost of evicted keys so the model sees late reuses too
-
-    def __init__(self, ctx: PolicyContext) -> None:
-        self.model: ReuseModel = ctx.model
-        self.partition = ctx.partition
-        self.configure(ctx.spec)
-
-    def configure(self, spec: KVCachePolicySpec) -> None:
-        w = spec.eviction.weights
-        self.alpha, self.beta, self.gamma = w.reuse, w.locality, w.timeWindow
-        self.protected_share = spec.eviction.protectedPercent / 100.0
-        window = spec.workloads.toB.window_seconds if self.partition == "toB" else spec.workloads.toC.window_seconds
-        self.bucket_width = window / BUCKETS_PER_WINDOW
-
-    def score(self, klass: Hashable, level: int, age: float) -> float:
-        model = self.model
-        window = model.window_of(klass)
-        t_window = 1.0 if age <= window else 0.0
-        p = model.p_reuse(klass, age, window)
-        return self.alpha * p + self.beta * locality(level) + self.gamma * t_window
-
-    def rank(self, klass: Hashable, level: int, age: float) -> tuple[bool, float]:
-        """Eviction order: expired pages first (whatever their score), then the lowest score."""
-        return (age <= self.model.window_of(klass), self.score(klass, level, age))
-
-
-class _ClassQueue:
-    """One class's time buckets, oldest first; a bucket keeps one FIFO per locality level.
-
-    Pages of one class released in one bucket's span share their reuse probability (same class,
-    nearly the same age), so their score order is their locality order: the lowest non-empty level's
-    oldest page is the bucket's best victim. No heap: every operation is O(1) (amortised over the
-    lazily deleted entries skipped at a level's front); ``low`` keeps the scan for the lowest
-    non-empty level from starting at level 0 each time.
-    """
-
-    __slots__ = ("buckets", "live", "low", "order")
-
-    def __init__(self) -> None:
-        self.buckets: dict[int, list[deque[list]]] = {}
-        self.live: dict[int, int] = {}
-        self.low: dict[int, int] = {}  # bucket id -> no entry sits below this level
-        self.order: list[int] = []  # bucket ids, ascending
-
-    def bucket(self, bid: int) -> list[deque[list]]:
-        """Bucket ``bid``'s level FIFOs, created (empty, registered in order) if it has none yet."""
-        bucket = self.buckets.get(bid)
-        if bucket is None:
-            bucket = self.buckets[bid] = [deque() for _ in range(LOCALITY_LEVELS + 1)]
-            self.live[bid] = 0
-            self.low[bid] = LOCALITY_LEVELS
-            if self.order and bid < self.order[-1]:
-                insort(self.order, bid)
-            else:
-                self.order.append(bid)
-        return bucket
-
-    def push(self, entry: list) -> None:
-        bid = entry[_BID]
-        level = entry[_LEVEL]
-        (self.buckets.get(bid) or self.bucket(bid))[level].append(entry)
-        self.live[bid] += 1
-        if level < self.low[bid]:
-            self.low[bid] = level
-
-    def _drop_bucket(self, bid: int) -> None:
-        del self.buckets[bid]
-        del self.live[bid]
-        del self.low[bid]
-        self.order.remove(bid)
-
-    def discard(self, bid: int) -> None:
-        self.live[bid] -= 1
-        if self.live[bid] == 0:
-            self._drop_bucket(bid)
-
-    def _merge_front(self) -> None:
-        """Fold the sparse oldest bucket into the next: its pages go first within each level."""
-        bid, nxt = self.order[0], self.order[1]
-        older, newer = self.buckets.pop(bid), self.buckets[nxt]
-        for level, fifo in enumerate(older):
-            alive = [e for e in fifo if e[_PAGE] >= 0]
-            for entry in alive:
-                entry[_BID] = nxt
-            newer[level].extendleft(reversed(alive))
-        self.live[nxt] += self.live.pop(bid)
-        self.low[nxt] = min(self.low[nxt], self.low.pop(bid))
-        self.order.pop(0)
-
-    def front(self) -> list:
-        """The best eviction candidate of the oldest bucket (merging a sparse one into the next first)."""
-        order = self.order
-        while len(order) > 1 and self.live[order[0]] < MERGE_BELOW:
-            self._merge_front()
-        bid = order[0]
-        bucket = self.buckets[bid]
-        for level in range(self.low[bid], LOCALITY_LEVELS + 1):
-            fifo = bucket[level]
-            while fifo and fifo[0][_PAGE] < 0:
-                fifo.popleft()  # lazily deleted entries
-            if fifo:
-                self.low[bid] = level
-                return fifo[0]
-        raise LookupError("a bucket with live pages has none")  # unreachable: live counts are exact
-
-    def pop_front(self, entry: list) -> None:
-        """Remove ``entry``, which :meth:`front` returned (no change to the queue since)."""
-        self.buckets[entry[_BID]][entry[_LEVEL]].popleft()
-        self.discard(entry[_BID])
-
-    def advance(self, entry: list) -> list | None:
-        """Remove ``entry``, which :meth:`front` returned, and return the next front (None: empty)."""
-        bid = entry[_BID]
-        fifo = self.buckets[bid][entry[_LEVEL]]
-        fifo.popleft()
-        live = self.live[bid] - 1
-        if live >= MERGE_BELOW:  # no merge due: the next front is likely the next of the same level
-            self.live[bid] = live
-            while fifo and fifo[0][_PAGE] < 0:
-                fifo.popleft()
-            if fifo:
-                return fifo[0]
-            return self.front()
-        return self.settle(bid, live)
-
-    def settle(self, bid: int, live: int) -> list | None:
-        """The next front once bucket ``bid`` holds ``live`` pages, fewer than a merge leaves alone."""
-        if live:
-            self.live[bid] = live
-        else:
-            self._drop_bucket(bid)
-            if not self.order:
-                return None
-        return self.front()
-
-
-# Entry fields: [page (-1 when deleted), bucket id, class, released at, level]. Rank tuples break ties
-# on the page id: two classes' candidates never share one, so entries themselves are never compared.
-_PAGE, _BID, _KLASS, _RELEASED, _LEVEL = 0, 1, 2, 3, 4
 
 
 def _by_class(ranked: list[tuple]) -> dict[Hashable, tuple]:
     """Rank tuples (one per class) keyed by their entry's class."""
-    return {cand[4][_KLASS]: cand for cand in ranked}
+    return {cand[4][KLASS]: cand for cand in ranked}
 
 
-class WorkloadAwarePolicy(_Scoring):
+class WorkloadAwarePolicy(Scoring):
     name = "workload_aware"
+    bulk = True
 
     def __init__(self, ctx: PolicyContext) -> None:
         super().__init__(ctx)
-        self._queues: dict[Hashable, _ClassQueue] = {}
+        self._queues: dict[Hashable, ClassQueue] = {}
         # Evictable page -> its entry (None: not evictable), a list indexed by page id: a dict of a
         # million pages costs seven times the memory and a cache miss more per eviction. Grown to the
         # page ids the partition has seen, not sized to the pool.
@@ -238,9 +70,7 @@ class WorkloadAwarePolicy(_Scoring):
         # class -> (p, rate, window, P(a gap under the window)) at _cands_now
         self._params: dict[Hashable, tuple[float, float, float, float]] = {}
         self._dirty: set[Hashable] = set()  # classes whose candidate may have changed
-        self._hist = [0.0] * _HIST_BINS
-        self._threshold = math.inf
-        self._since_threshold = 0
+        self._top_share = TopShare()  # the score above which a released page is protected
         # Pages passed over because they have cached descendants (page -> entry, out of the queues):
         # a prefix is worth at least what its continuations are, so a page goes after its subtree
         # (a page's rank alone would let a stale system prompt take every chat under it along).
@@ -251,25 +81,25 @@ class WorkloadAwarePolicy(_Scoring):
     def configure(self, spec: KVCachePolicySpec) -> None:
         super().configure(spec)
         self._top = self.alpha + self.beta + self.gamma
-        self._beta_level = self.beta / LOCALITY_LEVELS
         self._cands_now = math.nan  # ranks were computed with the old weights
 
-    def _queue(self, klass: Hashable) -> _ClassQueue:
+    def _queue(self, klass: Hashable) -> ClassQueue:
         queue = self._queues.get(klass)
         if queue is None:
-            queue = self._queues[klass] = _ClassQueue()
+            queue = self._queues[klass] = ClassQueue()
         return queue
 
     def _push(self, entry: list) -> None:
-        klass = entry[_KLASS]
+        klass = entry[KLASS]
         self._queue(klass).push(entry)
         self._dirty.add(klass)
 
     def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
-        base = self.alpha * self.model.p_reuse(klass, 0.0) + self.gamma
-        beta = self.beta / LOCALITY_LEVELS
+        p, lam, window = self.model.params(klass)
+        base = self.base_rank(p, lam, window, reuse_within(lam, window), 0.0)[1]  # the score at release
+        beta = self.beta_level
         bid = int(now // self.bucket_width)
-        threshold = self._threshold
+        threshold = self._top_share.threshold
         entries = self._entry
         if max(pages) >= len(entries):  # a policy used outside a pool learns its size as it goes
             entries.extend([None] * (max(pages) + 1 - len(entries)))
@@ -289,7 +119,7 @@ class WorkloadAwarePolicy(_Scoring):
             entry = [page, bid, klass, now, level]
             entries[page] = entry
             if not inserted & 3:
-                self._note_score(score)  # a 1-in-4 sample is plenty for a quantile
+                self._top_share.note(score, self._top, self.protected_share)  # 1 in 4 is plenty
             if score >= threshold:
                 protected[page] = entry
             else:
@@ -308,24 +138,6 @@ class WorkloadAwarePolicy(_Scoring):
             _, entry = protected.popitem(last=False)
             self._push(entry)
 
-    def _note_score(self, score: float) -> None:
-        top = self._top
-        hist = self._hist
-        hist[min(int(score / top * _HIST_BINS), _HIST_BINS - 1)] += 1.0
-        self._since_threshold += 1
-        if self._since_threshold >= _THRESHOLD_EVERY:
-            self._since_threshold = 0
-            want = sum(hist) * self.protected_share
-            acc = 0.0
-            self._threshold = math.inf
-            for i in range(_HIST_BINS - 1, -1, -1):
-                acc += hist[i]
-                if acc > want:
-                    self._threshold = (i + 1) * top / _HIST_BINS
-                    break
-            for i in range(_HIST_BINS):
-                hist[i] *= 0.5  # forget old scores: the threshold follows the workload
-
     def take(self, page: int, now: float, hit: bool) -> None:
         self._forget(page)
 
@@ -340,38 +152,33 @@ class WorkloadAwarePolicy(_Scoring):
         self._count -= 1
         if self._protected.pop(page, None) is not None or self._deferred.pop(page, None) is not None:
             return
-        entry[_PAGE] = -1  # lazy deletion from its heap
-        klass = entry[_KLASS]
-        self._queues[klass].discard(entry[_BID])
+        entry[PAGE] = -1  # lazy deletion from its FIFO (skipped when it reaches the front)
+        klass = entry[KLASS]
+        self._queues[klass].discard(entry[BID])
         self._dirty.add(klass)
 
-    def _candidate(self, queue: _ClassQueue, now: float) -> tuple:
+    def _candidate(self, queue: ClassQueue, now: float) -> tuple:
         return self._ranked(queue.front(), now)
 
     def _ranked(self, entry: list, now: float) -> tuple:
-        released = entry[_RELEASED]
-        fresh, score = self._base_rank(entry[_KLASS], released, now)
+        released = entry[RELEASED]
+        fresh, score = self._base_rank(entry[KLASS], released, now)
         # (rank..., page, entry, score without locality): the page id is unique, so tuples
         # compare on the rank alone; the last item lets the next page released with it skip the lookup
-        return (fresh, score + self._beta_level * entry[_LEVEL], released, entry[_PAGE], entry, score)
+        return (fresh, score + self.beta_level * entry[LEVEL], released, entry[PAGE], entry, score)
 
     def _base_rank(self, klass: Hashable, released: float, now: float) -> tuple[bool, float]:
         """(fresh, score without locality); pages released together share it, computed once per ``now``."""
         base = self._base.get((klass, released))
         if base is None:
             p, lam, window, within = self._params.get(klass) or self._class_params(klass)
-            age = now - released
-            survive = p * math.exp(-lam * age)  # p_reuse, its age-free factor computed once per class
-            score = self.alpha * (survive * within / (survive + 1.0 - p))
-            if age <= window:
-                score += self.gamma
-            base = self._base[(klass, released)] = (age <= window, score)
+            base = self._base[(klass, released)] = self.base_rank(p, lam, window, within, now - released)
         return base
 
     def _class_params(self, klass: Hashable) -> tuple[float, float, float, float]:
         """(p, rate, window, P(a gap under the window)) of ``klass``, kept until the next ``now``."""
         p, lam, window = self.model.params(klass)
-        params = self._params[klass] = (p, lam, window, 1.0 - math.exp(-lam * window))
+        params = self._params[klass] = (p, lam, window, reuse_within(lam, window))
         return params
 
     def _best(self, now: float) -> list:
@@ -408,15 +215,15 @@ class WorkloadAwarePolicy(_Scoring):
                 entry = next(iter(self._protected.values()))
             else:  # every page left has cached descendants: unreachable while the tree is consistent
                 return next(iter(self._deferred.values()))
-            if not first_child or first_child[entry[_PAGE]] == NO_PAGE:
+            if not first_child or first_child[entry[PAGE]] == NO_PAGE:
                 return entry
             self._defer(entry, now)
 
     def _defer(self, entry: list, now: float) -> None:
         """Pass over ``entry`` (the current best, which has cached descendants) until they are gone."""
-        page = entry[_PAGE]
+        page = entry[PAGE]
         if self._protected.pop(page, None) is None:
-            klass = entry[_KLASS]
+            klass = entry[KLASS]
             queue = self._queues[klass]
             if queue.advance(entry) is None:
                 del self._cands[klass]
@@ -427,7 +234,7 @@ class WorkloadAwarePolicy(_Scoring):
     def _undefer(self, page: int) -> Hashable:
         """Back into its queue, with its release time: it competes on its own rank again."""
         entry = self._deferred.pop(page)
-        klass = entry[_KLASS]
+        klass = entry[KLASS]
         (self._queues.get(klass) or self._queue(klass)).push(entry)
         return klass
 
@@ -443,13 +250,13 @@ class WorkloadAwarePolicy(_Scoring):
                 deferred[page] = deferred.pop(page)  # to the back of the round
 
     def peek(self, now: float) -> int:
-        return self._best(now)[_PAGE]
+        return self._best(now)[PAGE]
 
     def victim(self, now: float) -> int:
         entry = self._best(now)
-        page = entry[_PAGE]
+        page = entry[PAGE]
         if self._protected.pop(page, None) is None and self._deferred.pop(page, None) is None:
-            klass = entry[_KLASS]
+            klass = entry[KLASS]
             self._queues[klass].pop_front(entry)
             self._dirty.add(klass)
         self._entry[page] = None
@@ -461,6 +268,7 @@ class WorkloadAwarePolicy(_Scoring):
                 self._dirty.add(self._undefer(parent))
         return page
 
+    # hot loop: every page a full pool evicts passes here; helpers would cost a call per victim
     def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
         """:meth:`victim` ``count`` times in one call. A page with a child not named yet is passed
         over (deferred) until its descendants are gone, so the pool never has to cascade; should
@@ -474,7 +282,7 @@ class WorkloadAwarePolicy(_Scoring):
         entries = self._entry
         protected = self._protected
         deferred = self._deferred
-        beta_level = self._beta_level
+        beta_level = self.beta_level
         alpha, gamma, exp = self.alpha, self.gamma, math.exp
         named: dict[int, None] = {}  # the pages named so far, in order
         stop = False
@@ -498,7 +306,7 @@ class WorkloadAwarePolicy(_Scoring):
                 else:
                     second_fresh, second_rank = True, math.inf
                 entry = best[4]
-                klass = entry[_KLASS]
+                klass = entry[KLASS]
                 queue = queues[klass]
                 buckets, lives = queue.buckets, queue.live
                 fresh, score, released = best[0], best[5], best[2]
@@ -508,8 +316,8 @@ class WorkloadAwarePolicy(_Scoring):
                 # only this class's page is
                 limit = second_rank if fresh == second_fresh else (math.inf if second_fresh else -math.inf)
                 halt = False  # stop or undefer: the run ends after this page
-                bid = entry[_BID]
-                fifo = buckets[bid][entry[_LEVEL]]
+                bid = entry[BID]
+                fifo = buckets[bid][entry[LEVEL]]
                 live = lives[bid]  # written back when the run leaves this FIFO
                 while True:
                     # queue.advance(entry), its usual case inlined: the next page of the same FIFO
@@ -517,7 +325,7 @@ class WorkloadAwarePolicy(_Scoring):
                     live -= 1
                     moved = True  # the next page is in another FIFO (or there is none)
                     if live >= MERGE_BELOW:
-                        while fifo and fifo[0][_PAGE] < 0:
+                        while fifo and fifo[0][PAGE] < 0:
                             fifo.popleft()
                         if fifo:
                             after = fifo[0]
@@ -527,7 +335,7 @@ class WorkloadAwarePolicy(_Scoring):
                             after = queue.front()
                     else:
                         after = queue.settle(bid, live)
-                    page = entry[_PAGE]
+                    page = entry[PAGE]
                     child = first_child[page]
                     if (
                         child == NO_PAGE  # a leaf, or the page before the last one named in its chain
@@ -551,9 +359,9 @@ class WorkloadAwarePolicy(_Scoring):
                     if after is None:
                         heappop(heap)
                         break
-                    if after[_RELEASED] != released:
+                    if after[RELEASED] != released:
                         # _base_rank inlined, same arithmetic (the next release time is nearly always new)
-                        released = after[_RELEASED]
+                        released = after[RELEASED]
                         age = now - released
                         survive = p * exp(-lam * age)
                         score = alpha * (survive * within / (survive + 1.0 - p))
@@ -564,16 +372,16 @@ class WorkloadAwarePolicy(_Scoring):
                             limit = math.inf if second_fresh else -math.inf
                         else:
                             limit = second_rank
-                    rank = score + beta_level * after[_LEVEL]
+                    rank = score + beta_level * after[LEVEL]
                     if rank >= limit or remaining <= 0 or halt:
                         if not moved:
                             lives[bid] = live
-                        heapreplace(heap, (fresh, rank, released, after[_PAGE], after, score))
+                        heapreplace(heap, (fresh, rank, released, after[PAGE], after, score))
                         break
                     entry = after
                     if moved:
-                        bid = entry[_BID]
-                        fifo = buckets[bid][entry[_LEVEL]]
+                        bid = entry[BID]
+                        fifo = buckets[bid][entry[LEVEL]]
                         live = lives[bid]
             else:
                 if protected:
@@ -581,7 +389,7 @@ class WorkloadAwarePolicy(_Scoring):
                 else:  # the unreachable fallback of _best: the pool evicts the page's subtree with it
                     entry = deferred.pop(next(iter(deferred)))
                     stop = True
-                page = entry[_PAGE]
+                page = entry[PAGE]
                 if not stop and has_unnamed_child(page, links, named):
                     if parent_of:
                         deferred[page] = entry
@@ -613,14 +421,14 @@ class WorkloadAwarePolicy(_Scoring):
         """
         protected = self._protected
         base_ranks = self._base
-        threshold, beta_level = self._threshold, self._beta_level
+        threshold, beta_level = self._top_share.threshold, self.beta_level
         for _ in range(min(_DEMOTE_PER_CALL, len(protected))):
             page = next(iter(protected))
             entry = protected[page]
-            klass = entry[_KLASS]
-            released = entry[_RELEASED]
+            klass = entry[KLASS]
+            released = entry[RELEASED]
             fresh, score = base_ranks.get((klass, released)) or self._base_rank(klass, released, now)
-            if fresh and score + beta_level * entry[_LEVEL] >= threshold:
+            if fresh and score + beta_level * entry[LEVEL] >= threshold:
                 return  # still in the top share, and so is the rest
             del protected[page]
             self._push(entry)
@@ -630,100 +438,3 @@ class WorkloadAwarePolicy(_Scoring):
 
     def __contains__(self, page: int) -> bool:
         return 0 <= page < len(self._entry) and self._entry[page] is not None
-
-
-class WorkloadAwareExactPolicy(_Scoring):
-    name = "workload_aware_exact"
-
-    def __init__(self, ctx: PolicyContext) -> None:
-        super().__init__(ctx)
-        # (class, locality level) -> page -> release time, oldest first
-        self._groups: dict[tuple[Hashable, int], OrderedDict[int, float]] = {}
-        self._group_of: dict[int, tuple[Hashable, int]] = {}
-        # Leaves only, as in the bucketed policy: pages with cached descendants wait out of their
-        # group (page -> release time); once their descendants are gone they are candidates of their
-        # own ("ready").
-        self._deferred: dict[int, float] = {}
-        self._ready: dict[int, float] = {}
-        tree = ctx.tree
-        self._tree = tree if tree is not None else PageTree((), (), ())
-
-    def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
-        for page, depth in zip(pages, depths, strict=True):
-            group = (klass, locality_level(depth, length))
-            members = self._groups.get(group)
-            if members is None:
-                members = self._groups[group] = OrderedDict()
-            members[page] = now
-            self._group_of[page] = group
-
-    def _leave_group(self, page: int) -> float:
-        """Take ``page`` out of its group; returns its release time."""
-        group = self._group_of[page]
-        members = self._groups[group]
-        released = members.pop(page)
-        if not members:
-            del self._groups[group]
-        return released
-
-    def _forget(self, page: int) -> None:
-        if page in self._deferred:
-            del self._deferred[page]
-        elif page in self._ready:
-            del self._ready[page]
-        else:
-            self._leave_group(page)
-        del self._group_of[page]
-
-    def take(self, page: int, now: float, hit: bool) -> None:
-        self._forget(page)
-
-    def evict(self, page: int) -> None:
-        self._forget(page)
-
-    def victim(self, now: float) -> int:
-        page = self.peek(now)
-        self._forget(page)
-        parent_of, first_child, next_sib = self._tree
-        if parent_of:
-            parent = parent_of[page]
-            if parent in self._deferred and not has_unnamed_child(parent, (first_child, next_sib), (page,)):
-                self._ready[parent] = self._deferred.pop(parent)
-        return page
-
-    def peek(self, now: float) -> int:
-        first_child = self._tree.first_child
-        for page in list(islice(self._deferred, _RECHECK_PER_CALL)):  # descendants gone unnamed
-            released = self._deferred.pop(page)
-            if first_child[page] == NO_PAGE:
-                self._ready[page] = released
-            else:
-                self._deferred[page] = released
-        while True:
-            best_page = -1
-            best = (True, math.inf, math.inf)
-            for (klass, level), members in self._groups.items():
-                page, released = next(iter(members.items()))
-                key = (*self.rank(klass, level, now - released), released)  # ties: the older page
-                if key < best:
-                    best, best_page = key, page
-            for page, released in self._ready.items():
-                klass, level = self._group_of[page]
-                key = (*self.rank(klass, level, now - released), released)
-                if key < best:
-                    best, best_page = key, page
-            if best_page < 0 or not first_child or first_child[best_page] == NO_PAGE:
-                if best_page < 0 and self._deferred:  # unreachable while the tree is consistent
-                    return next(iter(self._deferred))
-                return best_page
-            if best_page in self._ready:  # gained a child again since it came back
-                released = self._ready.pop(best_page)
-            else:
-                released = self._leave_group(best_page)
-            self._deferred[best_page] = released
-
-    def __len__(self) -> int:
-        return len(self._group_of)
-
-    def __contains__(self, page: int) -> bool:
-        return page in self._group_of

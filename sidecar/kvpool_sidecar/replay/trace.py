@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpool_sidecar.pool import TO_B, TO_C, WorkloadMeta
+from kvpool_sidecar.keys import TO_B, TO_C, WorkloadMeta
 
 MOONCAKE_BLOCK = 512
 BAILIAN_BLOCK = 16

@@ -21,17 +21,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from kvpool_sidecar.config import Routing
-from kvpool_sidecar.pool import (
-    DEFAULT_META,
-    PREFIX_RATE_WINDOW,
-    InvalidRequest,
-    WorkloadMeta,
-    prompt_keys,
-    salted,
-    tenant_salt,
-)
+from kvpool_sidecar.errors import InvalidRequest
+from kvpool_sidecar.keys import DEFAULT_META, WorkloadMeta, prompt_keys, salted, tenant_salt
 from kvpool_sidecar.routing.ring import HashRing, key_position
-from kvpool_sidecar.workload import DecayedCounter
+from kvpool_sidecar.workload import PREFIX_RATE_WINDOW, DecayedCounter
 
 ROUTING_MODES: tuple[str, ...] = (
     "random", "round-robin", "least-loaded", "prefix-hash", "bounded-hash", "bounded-hash+replicas",
@@ -128,7 +121,7 @@ class Router:
     ) -> Hashable | None:
         """The chained key of the prompt's first ``prefixPages`` full pages; None when it has none.
 
-        Raises the pool's :class:`~kvpool_sidecar.pool.InvalidRequest` for a malformed prompt.
+        Raises the pool's :class:`~kvpool_sidecar.errors.InvalidRequest` for a malformed prompt.
         """
         ps = self.keys.page_size
         k = self.routing.prefixPages

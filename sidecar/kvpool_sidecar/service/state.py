@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvpool_sidecar.config import ConfigError, SidecarConfig, parse_config_text, spec_hash
+from kvpool_sidecar.keys import workload_class_of
 from kvpool_sidecar.policies import PolicyError
 from kvpool_sidecar.pool import InvalidRequest, PagePool, PoolError, UnknownPin, UnknownSequence, WorkloadMeta
 from kvpool_sidecar.service.credentials import ADMIN, Principal
 from kvpool_sidecar.service.metrics import SidecarMetrics
 from kvpool_sidecar.storage import KVStorage, transfer
-from kvpool_sidecar.workload import ClassKey, DriftEvent
+from kvpool_sidecar.workload import DriftEvent, StatsClass
 
 log = logging.getLogger("kvpool.sidecar")
 T = TypeVar("T")
@@ -233,13 +234,11 @@ class Sidecar:
         self._count_evictions(before)
         return result
 
-    def _on_reuse(self, klass: ClassKey, pages: int, gap_sum: float) -> None:
-        workload_class = klass[0] if isinstance(klass, tuple) and klass else "toC"
-        self.metrics.reuse_gap.labels(workload_class).observe(gap_sum / pages)
+    def _on_reuse(self, klass: StatsClass, pages: int, gap_sum: float) -> None:
+        self.metrics.reuse_gap.labels(workload_class_of(klass)).observe(gap_sum / pages)
 
     def _on_drift(self, event: DriftEvent) -> None:
-        workload_class = event.klass[0] if isinstance(event.klass, tuple) and event.klass else "toC"
-        self.metrics.drift_events.labels(workload_class).inc()
+        self.metrics.drift_events.labels(workload_class_of(event.klass)).inc()
         log.warning(
             "reuse-rate drift in class %s: %.3f/min against reference %.3f/min%s", event.klass,
             event.fitted_rate, event.reference_rate, " (adopted as the new reference)" if event.adopted else "",

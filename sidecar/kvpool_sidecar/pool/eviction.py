@@ -1,0 +1,302 @@
+"""Making room: allocation from the free stack, then eviction by each partition's policy.
+
+One path takes victims: :meth:`Eviction._evict_batch` (bulk or one at a time, the leaf fast path
+inlined), which hands over to :meth:`Eviction._evict_with_descendants` when a victim has cached
+descendants (they go too, leaves first: I4). Owns I5 (a page in use or pinned is in no policy), I7
+(a class allocates and evicts only inside its partition) and the eviction counters (every evicted
+page is counted once, under one reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable, Iterator
+
+from kvpool_sidecar.keys import TO_C, workload_class_of
+from kvpool_sidecar.policies import NO_PAGE
+from kvpool_sidecar.pool.ghost import GHOST_MASK
+from kvpool_sidecar.pool.records import PARTITIONS
+
+
+def _one_at_a_time(victim: Callable[[float], int], now: float, count: int, named: list[int]) -> Iterator[int]:
+    """Victims of a policy that decides each one in turn, recorded in ``named`` as they are taken."""
+    for _ in range(count):
+        page = victim(now)
+        named.append(page)
+        yield page
+
+
+class Eviction:
+    """Allocation and eviction; a part of :class:`~kvpool_sidecar.pool.PagePool`."""
+
+    def _init_eviction(self) -> None:
+        self._owned = [0, 0]  # pages in use or cached, by partition
+        self._caps = [self.total_pages, 0]
+        self.evictions = 0
+        self.pre_evictions = 0
+        self.evictions_by: dict[tuple[str, str], int] = {}  # (partition, reason) -> pages
+
+    def _obtainable(self, part: int, exclude: list[int]) -> int:
+        """Pages that partition ``part`` could get now, if the pages in ``exclude`` stop being evictable."""
+        headroom = self._caps[part] - self._owned[part]
+        policies = self._policies
+        if not exclude and headroom <= 0:
+            return len(policies[part])
+        evictable = [len(p) for p in policies]
+        ref = self._ref
+        pins = self._pins
+        part_of = self._part
+        for page in exclude:
+            if not ref[page] and not pins[page]:  # cached, unpinned: in its policy (I1)
+                evictable[part_of[page]] -= 1
+        if headroom <= 0:
+            return evictable[part]
+        return evictable[part] + min(headroom, len(self._free) + evictable[1 - part])
+
+    def _surely_obtainable(self, part: int, need: int, excluded: int) -> bool:
+        """Whether ``need`` pages are obtainable by a lower bound of :meth:`_obtainable` that does not
+        look at the excluded pages (each makes at most one page of one partition unevictable): enough
+        for the admission check of a big pool, and mostly decided by the partition's own pages."""
+        own = len(self._policies[part]) - excluded
+        if own >= need:
+            return True
+        headroom = self._caps[part] - self._owned[part]
+        if headroom <= 0:
+            return False
+        other = max(len(self._policies[1 - part]) - excluded, 0)
+        return max(own, 0) + min(headroom, len(self._free) + other) >= need
+
+    def _allocate(self, part: int, count: int, now: float) -> list[int]:
+        """Hand out ``count`` pages to ``part``; the caller checked :meth:`_obtainable` first.
+
+        Free pages first (in bulk), then evictions; the eviction of a leaf is inlined: it is the hot
+        path of a full pool.
+        """
+        free = self._free
+        owned = self._owned
+        cap = self._caps[part]
+        part_of = self._part
+        ref = self._ref
+        take = min(count, len(free), max(cap - owned[part], 0))
+        if take:
+            pages = free[-take:]
+            pages.reverse()
+            del free[-take:]
+            owned[part] += take
+        else:
+            pages = []
+        rest = count - take
+        if rest and owned[part] < cap:
+            # Under its share with no free page: the other partition is over its share (live resize).
+            for _ in range(min(rest, cap - owned[part])):
+                self._evict_one(1 - part, now, "capacity")
+                pages.append(free.pop())
+                owned[part] += 1
+            rest = count - len(pages)
+        for page in pages:
+            part_of[page] = part
+            ref[page] = 1
+        if rest:
+            pages += self._evict_for(part, rest, now)  # its pages are already ``part``'s, refcount 1
+        self._in_use += count
+        return pages
+
+    def _evict_for(self, part: int, count: int, now: float) -> list[int]:
+        """Evict ``count`` victims of ``part``'s policy and hand them back to ``part`` in use (refcount 1)."""
+        pages = self._evict_batch(part, count, now)
+        while len(pages) < count:  # a bulk policy may stop early
+            more = self._evict_batch(part, count - len(pages), now)
+            if not more:  # a broken policy must not hang the request path
+                raise RuntimeError(f"eviction policy {self._policies[part].name!r} named no victim")
+            pages += more
+        return pages
+
+    # hot loop: the leaf fast path of every eviction, inlined (a call per evicted page would show)
+    def _evict_batch(self, part: int, count: int, now: float) -> list[int]:
+        """Evict up to ``count`` victims of ``part``'s policy (fewer when a bulk policy stops early).
+
+        The loop is the hot path of a full pool: a victim is nearly always a leaf (its descendants
+        were released after it, so they went first) and an only child.
+        """
+        policy = self._policies[part]
+        bulk = policy.victims if policy.bulk else None
+        ref = self._ref
+        first_child = self._first_child
+        parent_of = self._parent
+        key = self._key
+        index = self._index
+        next_sib = self._next_sib
+        last = self._last
+        ghost = self._ghost if self._ghost_cap else None
+        klass_of = self._klass
+        threshold = now - self._windows[PARTITIONS[part]]
+        expired = 0
+        # The ghost's value of a key, shared by the keys released together (one tuple, not one each)
+        remembered: tuple[Hashable, float] | None = None
+        pages: list[int]
+        batch: Iterable[int]
+        if bulk is not None:
+            pages = batch = bulk(now, count, (first_child, next_sib))
+        else:
+            pages = []
+            batch = _one_at_a_time(policy.victim, now, count, pages)  # a cascade ends it early
+        for page in batch:
+            if first_child[page] != NO_PAGE:
+                if bulk is not None:
+                    evicted = pages.index(page)
+                    if evicted + 1 < len(pages):
+                        policy.restore(pages[evicted + 1 :])
+                else:
+                    evicted = len(pages) - 1
+                pages = pages[:evicted] + self._evict_with_descendants(part, page, count - evicted, now)
+                break
+            if last[page] < threshold:
+                expired += 1
+            k = key[page]
+            del index[k]
+            key[page] = None
+            if ghost is not None and not hash(k) & GHOST_MASK:
+                if remembered is None or remembered[1] != last[page] or remembered[0] != klass_of[page]:
+                    remembered = (klass_of[page], last[page])
+                ghost[k] = remembered
+            parent = parent_of[page]
+            if parent != NO_PAGE:
+                if first_child[parent] == page and next_sib[page] == NO_PAGE:
+                    first_child[parent] = NO_PAGE  # an only child; its own stale parent link is
+                    # never read: a page gets a parent (or NO_PAGE) when it is published again
+                else:
+                    self._unlink(page)
+            ref[page] = 1
+        else:
+            evicted = len(pages)
+        self.evictions += evicted
+        if evicted:
+            self._count_evictions(part, "expired", expired)
+            self._count_evictions(part, "capacity", evicted - expired)
+        if ghost:
+            self._trim_ghost(now)
+        return pages
+
+    def _evict_with_descendants(self, part: int, page: int, count: int, now: float) -> list[int]:
+        """The rest of :meth:`_evict_for` from a victim ``page`` that has cached descendants: they go
+        too (I4), and the pages they free are used before the policy is asked for more victims.
+
+        Counts what it evicts; its caller counts none of it.
+        """
+        policy = self._policies[part]
+        window = self._windows[PARTITIONS[part]]
+        free = self._free
+        owned = self._owned
+        cap = self._caps[part]
+        pages: list[int] = []
+        expired = victims = 0
+        cascaded = [0, 0]  # descendants taken along, by their partition (a hit can cross partitions)
+        while True:
+            if self._first_child[page] != NO_PAGE:
+                for p in self._evict_descendants(page):
+                    cascaded[self._part[p]] += 1
+            if now - self._last[page] > window:
+                expired += 1
+            self._drop(page)  # freed, then taken back below with the pages its descendants freed
+            owned[part] += 1
+            pages.append(free.pop())
+            victims += 1
+            while len(pages) < count and free and owned[part] < cap:
+                pages.append(free.pop())
+                owned[part] += 1
+            if len(pages) >= count:
+                break
+            page = policy.victim(now)
+        for page in pages:  # a cascade may free pages of the other partition
+            self._part[page] = part
+            self._ref[page] = 1
+        self._count_evictions(part, "expired", expired)
+        self._count_evictions(part, "capacity", victims - expired)
+        for other, n in enumerate(cascaded):  # evicted to make room, whatever their age
+            self._count_evictions(other, "capacity", n)
+        return pages
+
+    def _count_evictions(self, part: int, reason: str, pages: int) -> None:
+        if pages:
+            key = (PARTITIONS[part], reason)
+            self.evictions_by[key] = self.evictions_by.get(key, 0) + pages
+
+    def _evict_one(self, part: int, now: float, reason: str) -> int:
+        """Evict the policy's victim (and its descendants); returns the pages freed."""
+        before = len(self._free)
+        page = self._policies[part].victim(now)
+        if self._first_child[page] != NO_PAGE:
+            self._evict_descendants(page)
+        self._drop(page)
+        freed = len(self._free) - before
+        self._count_evictions(part, reason, freed)
+        return freed
+
+    def _evict_descendants(self, page: int) -> list[int]:
+        """Descendants of an evicted page are unreachable: evict them too, leaves first (I4); returns them."""
+        stack = [page]
+        order: list[int] = []
+        while stack:
+            p = stack.pop()
+            child = self._first_child[p]
+            while child != NO_PAGE:
+                order.append(child)
+                stack.append(child)
+                child = self._next_sib[child]
+        for p in reversed(order):
+            self._policies[self._part[p]].evict(p)
+            self._drop(p)
+        return order
+
+    def _drop(self, page: int) -> None:
+        """Remove an evictable page from the index and the tree and free it."""
+        k = self._key[page]
+        del self._index[k]
+        if self._ghost_cap and not hash(k) & GHOST_MASK:
+            self._ghost[k] = (self._klass[page], self._last[page])
+        self._key[page] = None
+        self._unlink(page)
+        self._owned[self._part[page]] -= 1
+        self._free.append(page)
+        self.evictions += 1
+
+    def pre_evict(self, now: float | None = None, max_pages: int | None = None) -> int:
+        """Idle-time eviction: free expired pages, lowest value first, until the free share reaches the
+        low watermark, so that a burst finds free pages instead of paying eviction on its request path.
+
+        Only pages past their class's window are taken (a page still inside it may be reused); each
+        partition's policy decides which of its pages is least valuable. Returns the pages freed.
+        """
+        if not self.spec.preEviction.enabled:
+            return 0
+        now = self.clock() if now is None else now
+        target = int(self.total_pages * self.spec.preEviction.lowWatermarkPercent / 100)
+        budget = self.total_pages if max_pages is None else max_pages
+        freed = 0
+        for part, policy in enumerate(self._policies):
+            while len(self._free) < target and freed < budget and len(policy):
+                page = policy.peek(now)
+                klass = self._klass[page]
+                window = self._windows.get(workload_class_of(klass), self._windows[TO_C])
+                if now - self._last[page] <= window:
+                    break  # the least valuable page is still fresh: nothing here is worth freeing
+                n = self._evict_one(part, now, "pre_eviction")
+                freed += n
+                self.pre_evictions += n
+        return freed
+
+    def _check_eviction(self, free: set[int]) -> None:
+        """I5, I7 and the counters, from scratch."""
+        owned = [0, 0]
+        for page in range(self.total_pages):
+            if page in free:
+                continue
+            owned[self._part[page]] += 1
+            evictable = self._ref[page] == 0 and self._key[page] is not None and self._pins[page] == 0
+            in_policy = page in self._policies[self._part[page]]
+            assert evictable == in_policy, f"I5: page {page} evictable={evictable} but in_policy={in_policy}"
+            assert page not in self._policies[1 - self._part[page]], f"I7: page {page} in the wrong policy"
+        assert owned == self._owned, f"I7: partition ownership {self._owned} != {owned}"
+        for i, policy in enumerate(self._policies):
+            assert len(policy) <= owned[i], "I5: a policy holds more pages than its partition"
+            policy.check()
+        assert sum(self.evictions_by.values()) == self.evictions, "evictions by reason do not sum to the evictions"

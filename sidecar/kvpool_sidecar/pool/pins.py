@@ -1,0 +1,167 @@
+"""Pins: prefixes protected from eviction, by request or automatically (long prompts, hot prefixes),
+within a quota of the pool, with an optional TTL. Owns I6: pinned pages never exceed the quota, and a
+pinned page's parent is pinned too (a pin covers a whole prefix).
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from collections.abc import Hashable, Sequence
+
+from kvpool_sidecar.errors import InvalidRequest, QuotaExceeded, UnknownPin
+from kvpool_sidecar.keys import DEFAULT_META, TO_C, WorkloadMeta
+from kvpool_sidecar.policies import NO_PAGE
+from kvpool_sidecar.pool.records import Pin, SeqState
+from kvpool_sidecar.workload import PREFIX_RATE_WINDOW, DecayedCounter
+
+_MAX_TRACKED_PREFIXES = 65_536  # prefix rates kept before the cold ones are pruned
+
+
+class Pinning:
+    """Pin records, per-page pin counts, expiry and auto-pin; a part of :class:`~kvpool_sidecar.pool.PagePool`."""
+
+    def _init_pins(self, n: int) -> None:
+        self._pins = [0] * n
+        self._pin_records: dict[str, Pin] = {}  # insertion order: oldest first
+        self._pin_expiry: list[tuple[float, str]] = []  # a heap of (expiry, pin id)
+        self._pinned_pages = 0
+        self.pin_quota = 0  # set by the pool's config
+        self.autopins = 0
+        self.autopins_refused = 0
+        # First-page key -> recent admissions: a prefix above autoPin.minPrefixQPS keeps its shared
+        # pages pinned (the page-length rule's sibling).
+        self._prefix_rate = DecayedCounter(PREFIX_RATE_WINDOW)
+        self._prune_prefix_rates_at = _MAX_TRACKED_PREFIXES
+
+    def pin(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        block_hashes: Sequence[Hashable] | None = None,
+        seq_id: str | None = None,
+        meta: WorkloadMeta = DEFAULT_META,
+        ttl: float | None = None,
+        now: float | None = None,
+    ) -> Pin:
+        """Protect a cached prefix (or a sequence's published pages) from eviction; ``ttl`` makes it lapse."""
+        now = self.clock() if now is None else now
+        self._expire_pins(now)
+        if ttl is not None and ttl <= 0:
+            raise InvalidRequest("ttl must be above 0 seconds", "ttl")
+        if seq_id is not None:
+            if tokens is not None or block_hashes is not None:
+                raise InvalidRequest("pin either a seq_id or a prefix, not both", "seq_id")
+            seq = self._seq(seq_id)
+            pages = seq.pages[: seq.published]
+        else:
+            keys, _ = self._keys(tokens, block_hashes, None, meta)
+            pages = self._cached_prefix(keys)
+        if not pages:
+            raise InvalidRequest("nothing of that prefix is cached to pin", "tokens" if seq_id is None else "seq_id")
+        return self._pin_pages(pages, ttl, now)
+
+    def _pin_pages(self, pages: list[int], ttl: float | None, now: float) -> Pin:
+        new = sum(1 for p in pages if self._pins[p] == 0)
+        if self._pinned_pages + new > self.pin_quota:
+            raise QuotaExceeded(
+                f"pinning {new} more pages would exceed the pin quota "
+                f"({self._pinned_pages} of {self.pin_quota} pages pinned)",
+                "pinning.quotaPercent",
+            )
+        for page in pages:
+            if self._pins[page] == 0:
+                self._pinned_pages += 1
+                if self._ref[page] == 0:
+                    self._policies[self._part[page]].take(page, now, False)
+            self._pins[page] += 1
+        pin_id = f"pin-{secrets.token_hex(12)}"  # unguessable: a pin id is what lets its holder unpin
+        expires = None if ttl is None else now + ttl
+        record = Pin(pin_id, tuple(pages), expires)
+        self._pin_records[pin_id] = record
+        if expires is not None:
+            heapq.heappush(self._pin_expiry, (expires, pin_id))
+        return record
+
+    def unpin(self, pin_id: str, now: float | None = None) -> None:
+        record = self._pin_records.pop(pin_id, None)
+        if record is None:
+            raise UnknownPin(f"no pin {pin_id!r}", "pin_id")
+        now = self.clock() if now is None else now
+        for page in reversed(record.pages):
+            self._pins[page] -= 1
+            if self._pins[page] == 0:
+                self._pinned_pages -= 1
+                if self._ref[page] == 0:
+                    depth = self._depth(page)
+                    self._policies[self._part[page]].insert([page], [depth], depth + 1, now, self._klass[page])
+
+    def _expire_pins(self, now: float) -> None:
+        expiry = self._pin_expiry
+        while expiry and expiry[0][0] <= now:
+            _, pin_id = heapq.heappop(expiry)
+            if pin_id in self._pin_records:
+                self.unpin(pin_id, now)
+
+    def _auto_pin(self, seq: SeqState, now: float) -> None:
+        pages = seq.pages[: seq.published]
+        if not pages or all(self._pins[p] for p in pages):
+            return
+        try:
+            self._pin_pages(pages, self._windows.get(seq.meta.workload_class, self._windows[TO_C]), now)
+            self.autopins += 1
+        except QuotaExceeded:
+            self.autopins_refused += 1
+
+    def _pin_hot_prefix(self, first_key: Hashable, hits: list[int], meta: WorkloadMeta, now: float) -> None:
+        """A prefix admitted more than ``autoPin.minPrefixQPS`` times a second (by its first page) keeps
+        the pages this request shared with earlier ones pinned for its class window: what is hot is
+        exactly what was reused. A pin past the quota is refused quietly (counted)."""
+        rates = self._prefix_rate
+        rate = rates.add(first_key, now) / PREFIX_RATE_WINDOW
+        if len(rates) > self._prune_prefix_rates_at:
+            rates.prune(now, 1.0)  # prefixes seen less than about once a window
+            self._prune_prefix_rates_at = max(_MAX_TRACKED_PREFIXES, 2 * len(rates))
+        if rate <= self._autopin.minPrefixQPS or not hits or all(self._pins[p] for p in hits):
+            return
+        try:
+            self._pin_pages(hits, self._windows.get(meta.workload_class, self._windows[TO_C]), now)
+            self.autopins += 1
+        except QuotaExceeded:
+            self.autopins_refused += 1
+
+    @property
+    def pins(self) -> dict[str, Pin]:
+        return dict(self._pin_records)
+
+    def pin_ids(self) -> set[str]:
+        """The live pins' ids (those past their TTL are gone once any pin call has run)."""
+        return set(self._pin_records)
+
+    def _fit_pins_to_quota(self) -> list[Pin]:
+        dropped: list[Pin] = []
+        now = self.clock()
+        for record in list(self._pin_records.values()):  # insertion order: oldest first
+            if self._pinned_pages <= self.pin_quota:
+                break
+            self.unpin(record.pin_id, now)
+            dropped.append(record)
+        return dropped
+
+    def _check_pins(self, free: set[int]) -> None:
+        """I6 from scratch."""
+        pin_counts = [0] * self.total_pages
+        for record in self._pin_records.values():
+            for p in record.pages:
+                pin_counts[p] += 1
+        assert pin_counts == self._pins, "I6: pin counts differ from the pin records"
+        pinned = sum(1 for c in pin_counts if c)
+        assert pinned == self._pinned_pages, "I6: pinned page count drifted"
+        assert pinned <= self.pin_quota, f"I6: {pinned} pages pinned above the quota of {self.pin_quota}"
+        for page in range(self.total_pages):
+            if not self._pins[page]:
+                continue
+            assert page not in free, f"I6: free page {page} is pinned"
+            parent = self._parent[page]
+            if parent != NO_PAGE and self._key[page] is not None:
+                assert self._pins[parent], f"I6: pinned page {page} has an unpinned parent"

@@ -1,0 +1,76 @@
+"""The records the pool hands out and keeps: admissions, forks, pins, stats, live sequences."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from kvpool_sidecar.keys import TO_B, TO_C, WorkloadMeta
+
+PARTITIONS = (TO_C, TO_B)  # partition 0 is shared; partition 1, when sized, is to-B's own
+
+
+@dataclass(slots=True)  # not frozen: built on every admission, and frozen construction is slow
+class Admission:
+    seq_id: str
+    num_cached_tokens: int
+    page_ids: list[int]
+    cross_user_tokens: int = 0  # cached tokens first computed for another user
+    evicted_pages: int = 0  # pages this admission evicted to make room
+    keys: list[Hashable] = field(default_factory=list)  # keys of its full prompt pages
+
+
+@dataclass(frozen=True, slots=True)
+class ForkResult:
+    seq_id: str
+    page_ids: list[int]
+    copy_src: int  # storage copies this page's KV into ``copy_dst`` (NO_PAGE: nothing to copy)
+    copy_dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    pin_id: str
+    pages: tuple[int, ...]
+    expires_at: float | None
+
+
+@dataclass(slots=True)
+class PartitionStats:
+    capacity: int
+    owned: int  # pages in use or cached that belong to the partition
+    evictable: int
+
+
+@dataclass(slots=True)
+class PoolStats:
+    total_pages: int
+    page_size: int
+    free_pages: int
+    in_use_pages: int
+    cached_pages: int
+    pinned_pages: int
+    pin_quota_pages: int
+    sequences: int
+    pins: int
+    fragmentation_tokens: int  # token slots allocated to live sequences but not holding a token
+    allocated_token_slots: int
+    evictions: int
+    hit_tokens: int
+    lookup_tokens: int
+    partitions: dict[str, PartitionStats] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SeqState:
+    seq_id: str
+    meta: WorkloadMeta
+    partition: int
+    pages: list[int]
+    keys: list[Hashable]  # keys of the full prompt pages
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed: int = 0
+    published: int = 0  # pages [0, published) are in the prefix index
+    publish_blocked: bool = False
+    klass: Hashable = None  # its statistics class (PagePool.class_of), computed once
