@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, load_config
 from kvpool_sidecar.policies import POLICIES
@@ -166,7 +167,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool-sidecar", description="kvpool sidecar: the per-pod KV page pool")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_serve, _add_router, _add_replay, _add_synth, _add_plan, _add_tune):
+        add(sub)
+    return parser
 
+
+def _add_serve(sub: Any) -> None:
     srv = sub.add_parser("serve", help="serve the pool's HTTP API (defaults: embedded CPU pool, built-in config)")
     srv.add_argument("--config", help="sidecar config file (the policy spec as YAML); watched and hot-reloaded")
     srv.add_argument("--host", default="127.0.0.1", help="control API address (beyond localhost needs --token-file)")
@@ -190,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.set_defaults(func=cmd_serve)
 
+
+def _add_router(sub: Any) -> None:
     rtr = sub.add_parser("router", help="route requests to the pod holding their prefix (bounded-load hashing)")
     rtr.add_argument("--config", help="policy spec / sidecar config YAML (routing, pageSize, tenancy, selector); "
                      "watched and hot-reloaded")
@@ -212,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     rtr.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     rtr.set_defaults(func=cmd_router)
 
+
+def _add_replay(sub: Any) -> None:
     replay = sub.add_parser("replay", help="replay a trace through the real pool, per policy and capacity")
     replay.add_argument("trace", help="Mooncake or Bailian JSONL trace")
     replay.add_argument(
@@ -231,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cluster replay: a pod joins (empty) or leaves (with its cache) half-way through")
     replay.set_defaults(func=cmd_replay)
 
+
+def _add_synth(sub: Any) -> None:
     syn = sub.add_parser("synth", help="generate a Bailian-format trace")
     syn.add_argument("--profile", choices=synth.PROFILES, required=True)
     syn.add_argument("--requests", type=_positive_int, default=10_000)
@@ -238,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     syn.add_argument("-o", "--output", required=True)
     syn.set_defaults(func=cmd_synth)
 
+
+def _add_plan(sub: Any) -> None:
     pln = sub.add_parser("plan", help="capacity planning: KV bytes per token, pages per GPU, page size")
     pln.add_argument("--layers", type=_positive_int, required=True)
     pln.add_argument("--kv-heads", type=_positive_int, required=True)
@@ -252,13 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--trace", help="recommend a page size from this trace's prompt lengths")
     pln.set_defaults(func=cmd_plan)
 
+
+def _add_tune(sub: Any) -> None:
     tun = sub.add_parser("tune", help="grid-search the workload-aware weights on a trace")
     tun.add_argument("trace")
     tun.add_argument("--capacity", type=_capacity, default=0.05)
     tun.add_argument("--config", help="base sidecar config / policy spec YAML")
     tun.set_defaults(func=cmd_tune)
-
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

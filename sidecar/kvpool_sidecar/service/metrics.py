@@ -78,6 +78,10 @@ class SidecarMetrics:
         self.config_generation = Gauge(
             "kvpool_config_generation", "metadata.generation of the policy in force", registry=r,
         )
+        self._define_engine_and_transfer(r)
+        self._start_at_zero()
+
+    def _define_engine_and_transfer(self, r: CollectorRegistry) -> None:
         self.transfer_pages = Counter(
             "kvpool_transfer_pages", "KV pages moved between sidecars (export: sent; import: written here)",
             ["direction"], registry=r,
@@ -97,7 +101,9 @@ class SidecarMetrics:
             "kvpool_connector_failures", "Connector operations that failed (the engine recomputed or skipped)",
             ["operation"], registry=r,
         )
-        # Export every series from the start (at 0) so that rates and alerts see zeros, not absences.
+
+    def _start_at_zero(self) -> None:
+        """Export every series from the start (at 0) so that rates and alerts see zeros, not absences."""
         for klass in ("toC", "toB"):
             for region in REGIONS:
                 self.lookup_tokens.labels(klass, region)

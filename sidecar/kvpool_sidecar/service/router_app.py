@@ -27,7 +27,7 @@ from kvpool_sidecar.client import TRANSFER_CONTENT_TYPE
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, parse_config_text
 from kvpool_sidecar.routing import REASONS, KeySpec, NoPods, Router
 from kvpool_sidecar.service import models as m
-from kvpool_sidecar.service.app import ApiError, background, bearer_auth, install_error_handlers, workload_meta
+from kvpool_sidecar.service.http import ApiError, background, bearer_auth, install_error_handlers, workload_meta
 from kvpool_sidecar.service.membership import Endpoint, MembershipSource
 
 log = logging.getLogger("kvpool.router")

@@ -18,17 +18,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvpool_sidecar.config import ConfigError, SidecarConfig, parse_config_text, spec_hash
+from kvpool_sidecar.config import SidecarConfig, spec_hash
 from kvpool_sidecar.keys import workload_class_of
-from kvpool_sidecar.policies import PolicyError
-from kvpool_sidecar.pool import InvalidRequest, PagePool, PoolError, UnknownPin, UnknownSequence, WorkloadMeta
+from kvpool_sidecar.pool import PagePool, PoolError, UnknownPin, UnknownSequence, WorkloadMeta
 from kvpool_sidecar.service.credentials import ADMIN, Principal
 from kvpool_sidecar.service.metrics import SidecarMetrics
+from kvpool_sidecar.service.reloads import ConfigReloads, ConfigState
 from kvpool_sidecar.storage import KVStorage, transfer
 from kvpool_sidecar.workload import DriftEvent, StatsClass
 
@@ -75,18 +75,9 @@ class ShadowIndex:
         return len(self._keys)
 
 
-@dataclass
-class ConfigState:
-    config: SidecarConfig
-    hash: str
-    last_error: str | None = None
-    reloads: dict[str, int] = field(default_factory=lambda: {"applied": 0, "unchanged": 0, "invalid": 0})
-    file_digest: str = ""
-    pending_digest: str = ""
-    notice: str | None = None  # what the last applied config did beyond its values (pins it removed)
 
 
-class Sidecar:
+class Sidecar(ConfigReloads):
     def __init__(
         self,
         config: SidecarConfig,
@@ -384,112 +375,4 @@ class Sidecar:
             "backend": self.backend,
         }
 
-    def config_view(self) -> dict[str, Any]:
-        cfg = self.state.config
-        return {
-            "config": cfg.spec().model_dump(mode="json"),
-            "hash": self.state.hash,
-            "generation": cfg.source.generation if cfg.source else 0,
-            "source": cfg.source.model_dump() if cfg.source else None,
-            "last_error": self.state.last_error,
-            "notice": self.state.notice,
-            "reloads": dict(self.state.reloads),
-        }
-
     # ------------------------------------------------------------------------------- config
-    def apply_config_text(self, text: str, origin: str) -> tuple[str, str | None, str]:
-        """Validate and apply a config; returns (result, error, field at fault). The old config stays on
-        any error."""
-        if not text.strip() and self.state.file_digest:
-            # An empty file where a config was is a write in progress or a mistake, not "all defaults".
-            return self.reject(f"{origin}: the file is empty; the config in force stays (write {{}} for defaults)")
-        try:
-            config = parse_config_text(text)
-        except ConfigError as exc:
-            return self.reject(f"{origin}: {exc}", exc.field)
-        return self.apply_config(config, origin)
-
-    def apply_config(self, config: SidecarConfig, origin: str) -> tuple[str, str | None, str]:
-        new_hash = spec_hash(config)
-        if config.source is not None and config.source.hash and config.source.hash != new_hash:
-            # The operator writes the spec's hash into the file: a file cut short (even at a line
-            # boundary, where it still parses) or edited by hand no longer matches it.
-            return self.reject(
-                f"{origin}: the content's hash {new_hash} is not its source.hash {config.source.hash} "
-                "(a partly written or hand-edited file); the config in force stays", "source.hash",
-            )
-        same_source = config.source == self.state.config.source
-        if new_hash == self.state.hash and same_source:
-            self._count("unchanged")
-            return "unchanged", None, ""
-        try:
-            unpinned = self.pool.reconfigure(config.spec())
-        except (InvalidRequest, PolicyError) as exc:
-            return self.reject(f"{origin}: {exc}", getattr(exc, "field", ""))
-        self.state.notice = self._report_unpinned(unpinned, config) if unpinned else None
-        self.state.config = config
-        self.state.hash = new_hash
-        self.state.last_error = None
-        self._count("applied")
-        self._set_config_metrics()
-        log.info("config applied from %s: hash %s, policy %s", origin, new_hash, config.eviction.policy)
-        return "applied", None, ""
-
-    def _report_unpinned(self, unpinned: list[Any], config: SidecarConfig) -> str:
-        for record in unpinned:
-            self.pins_by_owner.get(self._pin_owner.pop(record.pin_id, ""), set()).discard(record.pin_id)
-        self.metrics.pins_removed.labels("quota_lowered").inc(len(unpinned))
-        notice = (f"pinning.quotaPercent {config.pinning.quotaPercent} leaves room for {self.pool.pin_quota} "
-                  f"pinned pages: unpinned the {len(unpinned)} oldest pins "
-                  f"({', '.join(r.pin_id for r in unpinned[:8])}{', ...' if len(unpinned) > 8 else ''})")
-        log.warning("%s", notice)
-        return notice
-
-    def reject(self, message: str, field: str = "") -> tuple[str, str | None, str]:
-        """Record a config that was not applied; the one in force stays."""
-        self.state.last_error = message
-        self._count("invalid")
-        log.error("config rejected, keeping hash %s: %s", self.state.hash, message)
-        return "invalid", message, field
-
-    def _count(self, result: str) -> None:
-        self.state.reloads[result] = self.state.reloads.get(result, 0) + 1
-        self.metrics.reloads.labels(result).inc()
-
-    def _set_config_metrics(self) -> None:
-        cfg = self.state.config
-        self.metrics.config_info.clear()
-        source = f"{cfg.source.namespace}/{cfg.source.name}" if cfg.source else "local"
-        self.metrics.config_info.labels(self.state.hash, cfg.eviction.policy, source).set(1)
-        self.metrics.config_generation.set(cfg.source.generation if cfg.source else 0)
-
-    def mark_config_file_read(self) -> None:
-        """The file's current content is what the sidecar started with: do not 'reload' it."""
-        if self.config_path is not None:
-            self.state.file_digest = hashlib.sha256(self.config_path.read_bytes()).hexdigest()
-
-    def poll_config_file(self, settled: bool = False) -> str | None:
-        """Re-read the config file; apply it when its content changed. Kubelet swaps a ``..data``
-        symlink instead of rewriting the file, so the content, not the inode or mtime, is compared.
-        ``settled``: a file event saw the writes pause, so one read is enough."""
-        if self.config_path is None:
-            return None
-        try:
-            data = self.config_path.read_bytes()
-        except OSError as exc:
-            message = f"{self.config_path}: cannot read: {exc.strerror}"
-            if self.state.last_error != message:
-                self.reject(message)
-            return "invalid"
-        digest = hashlib.sha256(data).hexdigest()
-        if digest == self.state.file_digest:
-            self.state.pending_digest = ""
-            return None
-        if digest != self.state.pending_digest and not settled:
-            # A plain rewrite is not atomic: act on content only once two polls in a row read it
-            # (kubelet's symlink swap is atomic, an editor's or a script's write may not be).
-            self.state.pending_digest = digest
-            return None
-        self.state.file_digest = digest
-        self.state.pending_digest = ""
-        return self.apply_config_text(data.decode("utf-8", errors="replace"), str(self.config_path))[0]
