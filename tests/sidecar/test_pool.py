@@ -446,3 +446,21 @@ def test_evicted_keys_seen_again_are_reuses_and_forgotten_ones_are_censored_obse
     # A policy without the model drops the ghost, and with it the pages it would have reported.
     pool.reconfigure(KVCachePolicySpec.model_validate({"pageSize": PS, "eviction": {"policy": "lru"}}))
     assert not pool._ghost and fit.at_risk == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "s3fifo", "workload_aware"])
+def test_a_partition_under_its_new_share_takes_its_own_victims_when_the_other_has_none(policy: str):
+    """Found by the stateful test's live reconfiguration: after to-B's share is cut below what it holds,
+    a to-C request that finds no free page, and to-B's pages all in use, evicts its own pages; it used
+    to ask to-B's empty policy for a victim (a crash, or a corrupt pool, depending on the policy)."""
+    pool = make_pool(8, workloads={"toB": {"isolationPercent": 50}}, eviction={"policy": policy})
+    to_b, to_c = WorkloadMeta(workload_class=TO_B), WorkloadMeta(workload_class=TO_C)
+    pool.admit("b1", [1] * PS * 4, meta=to_b)  # to-B's 4 pages, in use throughout
+    run(pool, "c1", [7] * PS * 4, to_c)  # to-C's 4 pages, cached
+    pool.reconfigure(KVCachePolicySpec.model_validate(
+        {"pageSize": PS, "eviction": {"policy": policy}, "pinning": {"autoPin": {"enabled": False}},
+         "workloads": {"toB": {"isolationPercent": 10}}}))  # to-B's share: 0 pages; to-C's: 8
+    adm = pool.admit("c2", [8] * PS * 2, meta=to_c)  # no free page; to-B has nothing evictable
+    assert len(adm.page_ids) == 2 and adm.evicted_pages >= 2  # FIFO takes the whole chain from its head
+    pool.check_invariants()
+    assert pool.lookup([7] * PS * 4, meta=to_c) <= 2 * PS

@@ -1,4 +1,5 @@
-"""Random interleavings of every pool operation across two tenants and two classes.
+"""Random interleavings of every pool operation across two tenants and two classes, with live
+reconfiguration (policy switch, partition resize, pin quota, auto-pin) and idle pre-eviction.
 
 A reference model tracks, by content, which prefixes were published and by which physical page, so
 that while nothing has been evicted the pool's hit counts must match the model exactly; once
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.policies import LRUPolicy, PolicyContext, PolicyFactory, has_unnamed_child
+from kvpool_sidecar.policies import NO_PAGE, LRUPolicy, PolicyContext, PolicyFactory, has_unnamed_child
 from kvpool_sidecar.pool import (
     TO_B,
     TO_C,
@@ -23,7 +24,9 @@ from kvpool_sidecar.pool import (
     PoolExhausted,
     QuotaExceeded,
     WorkloadMeta,
+    chain_token_keys,
     first_page_digest,
+    tenant_salt,
 )
 
 PS = 2
@@ -81,15 +84,7 @@ class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.now = 0.0
-        spec = KVCachePolicySpec.model_validate(
-            {
-                "pageSize": PS,
-                "eviction": {"policy": self.policy},
-                "workloads": {"toB": {"isolationPercent": 30}},
-                "pinning": {"quotaPercent": 20, "autoPin": {"enabled": False}},
-                "tenancy": {"sharedPrefixes": [SHARED_FIRST]},
-            }
-        )
+        spec = self.spec(self.policy, to_b=30, quota=20, auto_pin=False)
         self.pool = PagePool(self.pages, spec, policy_factory=self.policy_factory, clock=lambda: self.now)
         self.ids = itertools.count()
         # model: content scope -> published prefix (tuple) -> page identity
@@ -101,6 +96,44 @@ class PoolMachine(RuleBasedStateMachine):
     @initialize()
     def start(self) -> None:
         pass
+
+    @staticmethod
+    def spec(policy: str, to_b: int, quota: int, auto_pin: bool) -> KVCachePolicySpec:
+        return KVCachePolicySpec.model_validate({
+            "pageSize": PS,
+            "eviction": {"policy": policy},
+            "workloads": {"toB": {"isolationPercent": to_b, "timeWindow": "2s"}, "toC": {"timeWindow": "3s"}},
+            # Auto-pin: prompts of 3+ pages, and prefixes admitted more than once in 10 s.
+            "pinning": {"quotaPercent": quota, "autoPin": {"enabled": auto_pin, "minPromptTokens": 3 * PS,
+                                                           "minPrefixQPS": 0.1}},
+            "tenancy": {"sharedPrefixes": [SHARED_FIRST]},
+            "preEviction": {"enabled": True, "lowWatermarkPercent": 30},
+        })
+
+    @rule(policy=st.sampled_from(["lru", "fifo", "lfu", "s3fifo", "workload_aware"]), to_b=st.integers(0, 50),
+          quota=st.integers(0, 30), auto_pin=st.booleans())
+    def reconfigure(self, policy: str, to_b: int, quota: int, auto_pin: bool) -> None:
+        """A hot reload: no cached page is lost (what the model says is published stays so), over-full
+        partitions shrink as they evict, a lowered quota unpins the oldest pins."""
+        before = self.pool.stats()
+        before_ids = list(self.pool.pins)
+        dropped = self.pool.reconfigure(self.spec(policy, to_b, quota, auto_pin))
+        after = self.pool.stats()
+        assert after.cached_pages == before.cached_pages and after.evictions == before.evictions
+        assert after.pins == before.pins - len(dropped)
+        if dropped:  # only as many as it took, oldest first
+            assert before.pinned_pages > after.pin_quota_pages
+            assert [p.pin_id for p in dropped] == list(before_ids)[: len(dropped)]
+
+    @rule(budget=st.integers(1, 20))
+    def pre_evict(self, budget: int) -> None:
+        """Idle pre-eviction frees only pages past their class window, at most ``budget`` of them."""
+        before = self.pool.stats()
+        counted = sum(n for (_, reason), n in self.pool.evictions_by.items() if reason == "pre_eviction")
+        freed = self.pool.pre_evict(max_pages=budget)
+        assert self.pool.stats().free_pages - before.free_pages == freed
+        now_counted = sum(n for (_, reason), n in self.pool.evictions_by.items() if reason == "pre_eviction")
+        assert now_counted - counted == freed  # every page freed counted once, as pre-eviction
 
     def scope(self, tokens: list[int], tenant: str) -> str:
         return "shared" if first_page_digest(tokens, PS) == SHARED_FIRST else tenant
@@ -236,7 +269,25 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def invariants_hold(self) -> None:
-        self.pool.check_invariants()
+        self.pool.check_invariants()  # I1-I9, I6 (pins within the quota) included
+
+    @invariant()
+    def keys_are_chained(self) -> None:
+        """I3: a cached page's key is the chained key of its whole prefix (the first page salted by its
+        tenant unless the prefix is shared), and its parent is the page of the prefix one page shorter."""
+        pool = self.pool
+        for scope, tokens in self.ever:
+            salt = None if scope == "shared" else tenant_salt(scope)
+            keys = chain_token_keys(list(tokens), PS, salt, frozenset([SHARED_FIRST]))
+            page = pool._index.get(keys[-1])
+            if page is None:
+                continue
+            assert pool._key[page] == keys[-1]
+            parent = pool._parent[page]
+            if len(keys) == 1:
+                assert parent == NO_PAGE, f"I3: first page {page} has a parent"
+            else:
+                assert parent != NO_PAGE and pool._key[parent] == keys[-2], f"I3: page {page}'s parent is wrong"
 
 
 class RoomyPool(PoolMachine):

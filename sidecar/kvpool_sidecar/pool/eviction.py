@@ -87,8 +87,12 @@ class Eviction:
         rest = count - take
         if rest and owned[part] < cap:
             # Under its share with no free page: the other partition is over its share (live resize).
-            for _ in range(min(rest, cap - owned[part])):
-                self._evict_one(1 - part, now, "capacity")
+            # It gives up pages while it has evictable ones (a cascade may free several at once); the
+            # rest come from this partition's own, as _obtainable counted them.
+            other = self._policies[1 - part]
+            while len(pages) < count and owned[part] < cap and (free or len(other)):
+                if not free:
+                    self._evict_one(1 - part, now, "capacity")
                 pages.append(free.pop())
                 owned[part] += 1
             rest = count - len(pages)
@@ -186,7 +190,10 @@ class Eviction:
         window = self._windows[PARTITIONS[part]]
         free = self._free
         owned = self._owned
-        cap = self._caps[part]
+        # A partition over its share (shrunk by a live resize) keeps its size while it serves its own
+        # requests one page for one, as the leaf path does; it must not then fall short of the pages
+        # _obtainable counted (its own evictable ones) because its cascades freed them past its cap.
+        cap = max(self._caps[part], owned[part])
         pages: list[int] = []
         expired = victims = 0
         cascaded = [0, 0]  # descendants taken along, by their partition (a hit can cross partitions)
