@@ -1,0 +1,78 @@
+"""Instruction counts (cachegrind) of the pool benchmarks for two commits, side by side, with ratios.
+
+    .venv/bin/python bench/instructions.py BEFORE AFTER     # commits; "worktree" is this checkout
+
+Wall time on these machines swings by 30 %; instruction counts repeat to about 1e-6. Each figure is a
+difference of two runs, so that start-up and loading cancel out:
+
+* ``pool_ops``: the conversation trace replayed once through an LRU pool at 5 % (``bench/pool_ops.py
+  --repeat 1`` minus ``--repeat 0``);
+* ``eviction``: 20,000 evictions from a full pool of 200,000 pages under the workload-aware policy
+  (``bench/eviction.py --evictions 20000`` minus ``--evictions 0``).
+
+Both commits run this checkout's benchmark scripts, each against its own package (PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHES = {
+    "pool_ops": (["bench/pool_ops.py", "--capacity", "0.05", "--memory-pages", "0", "--repeat"], "1", "0"),
+    "eviction": (["bench/eviction.py", "--policy", "workload_aware", "--pages", "200000", "--evictions"],
+                 "20000", "0"),
+}
+
+
+def instructions(source: Path, args: list[str]) -> int:
+    env = {**os.environ, "PYTHONPATH": str(source / "sidecar"), "PYTHONHASHSEED": "0"}
+    done = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
+                           sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    match = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+    if done.returncode or match is None:
+        raise SystemExit(f"{source}: {' '.join(args)} failed:\n{done.stderr[-2000:]}")
+    return int(match.group(1).replace(",", ""))
+
+
+def measure(source: Path) -> dict[str, int]:
+    out = {}
+    for name, (args, loaded, empty) in BENCHES.items():
+        out[name] = instructions(source, [*args, loaded]) - instructions(source, [*args, empty])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("before")
+    parser.add_argument("after")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, commit in enumerate((args.before, args.after)):
+            if commit == "worktree":
+                results.append(measure(ROOT))
+                continue
+            tree = Path(tmp) / f"tree{i}"
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit], check=True,
+                           capture_output=True)
+            try:
+                results.append(measure(tree))
+            finally:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False,
+                               capture_output=True)
+    before, after = results
+    print(f"{'benchmark':<10} {'before':>16} {'after':>16} {'after/before':>13}   ({args.before} -> {args.after})")
+    for name in BENCHES:
+        print(f"{name:<10} {before[name]:>16,} {after[name]:>16,} {after[name] / before[name]:>13.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
