@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint bench venv clean system-deps run
+.PHONY: test lint bench bench-report venv clean system-deps run
 
 venv: $(STAMP)
 
@@ -39,6 +39,10 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/pool_ops.py
+
+# docs/benchmarks.md, written whole from this run's figures (BENCH_ARGS=--all adds the slow sections).
+bench-report: $(STAMP)
+	$(PY) bench/report.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

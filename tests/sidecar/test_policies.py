@@ -420,3 +420,27 @@ def test_pre_eviction_frees_only_expired_pages_down_to_the_watermark():
     assert freed == 3 and pool.stats().free_pages == 5
     assert pool.lookup([3] * 8) == 8  # the fresh prefix stayed
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_score_has_one_formula(seed: int) -> None:
+    """The score lives in policies/scoring.py; its copies are pinned to it exactly: P_reuse inlined in
+    ``Scoring.base_rank`` equals ``workload.p_reuse``, and the bucketed policy's cached ranks equal
+    ``Scoring.rank`` (its bulk loop's inlined copy is pinned to those by the bulk-equals-one-by-one
+    test above)."""
+    from kvpool_sidecar.workload import p_reuse, reuse_within
+
+    rng = random.Random(seed)
+    policy, now = filled("workload_aware", seed)
+    for _ in range(200):
+        p, lam, window, age = rng.uniform(0.01, 0.99), rng.uniform(1e-4, 1.0), rng.uniform(1, 900), rng.uniform(0, 2000)
+        fresh, base = policy.base_rank(p, lam, window, reuse_within(lam, window), age)
+        assert fresh == (age <= window)
+        assert base == policy.alpha * p_reuse(p, lam, age, reuse_within(lam, window)) + (policy.gamma if fresh else 0.0)
+    entries = [e for e in policy._entry if e is not None]
+    assert len(entries) > 100
+    for entry in entries:
+        klass, released, level = entry[2], entry[3], entry[4]
+        assert policy._ranked(entry, now)[:2] == policy.rank(klass, level, now - released)
+    exact = make_policy("workload_aware_exact", ctx())
+    assert exact.rank(CHAT, 7, 30.0) == policy.rank(CHAT, 7, 30.0)  # the same function for both

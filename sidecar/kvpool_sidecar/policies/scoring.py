@@ -17,7 +17,7 @@ from collections.abc import Hashable
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies.base import PolicyBase, PolicyContext
-from kvpool_sidecar.workload import ReuseModel, p_reuse, reuse_within
+from kvpool_sidecar.workload import ReuseModel, reuse_within
 
 BUCKETS_PER_WINDOW = 8
 LOCALITY_LEVELS = 16  # S_locality is quantised so that the exact variant has few (class, level) groups
@@ -61,7 +61,8 @@ class Scoring(PolicyBase):
     def base_rank(self, p: float, lam: float, window: float, within: float, age: float) -> tuple[bool, float]:
         """(fresh, alpha*P_reuse + gamma*T_window) of a page of age ``age`` in a class fitted (p, lam)
         with ``window`` (``within``: :func:`~kvpool_sidecar.workload.reuse_within` of them)."""
-        score = self.alpha * p_reuse(p, lam, age, within)
+        survive = p * math.exp(-lam * age)  # p_reuse(p, lam, age, within), inlined (pinned by a test)
+        score = self.alpha * (survive * within / (survive + 1.0 - p))
         fresh = age <= window
         if fresh:
             score += self.gamma

@@ -1,0 +1,145 @@
+"""Regenerate docs/benchmarks.md: every current figure, each under the command that printed it.
+
+    .venv/bin/python bench/report.py          # the quick set (about 15 minutes on 2 cores)
+    .venv/bin/python bench/report.py --all    # also the real engine and authentication's cost (+15 min)
+    make bench-report
+
+The file is written whole from what the commands print in this run, so a figure that is no longer
+measured cannot survive in it; a section not run says so. What earlier sessions measured is kept
+below the current figures, dated, as history (``docs/benchmarks-history.md``), never mixed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACES = ROOT.parent / "shared" / "traces"
+OUT = ROOT / "docs" / "benchmarks.md"
+HISTORY = ROOT / "docs" / "benchmarks-history.md"
+POLICIES = ("lru", "fifo", "s3fifo", "lfu", "workload_aware", "belady")
+CAPACITIES = ("0.01", "0.02", "0.05", "0.1", "0.2")
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    what: str  # how to read the figures
+    command: list[str]
+    slow: bool = False
+
+
+def replay(trace: str, policies: tuple[str, ...] = POLICIES) -> list[str]:
+    args = ["kvpool-sidecar", "replay", trace, "--no-progress"]
+    for policy in policies:
+        args += ["--policy", policy]
+    for capacity in CAPACITIES:
+        args += ["--capacity", capacity]
+    return args
+
+
+def sections(synth_dir: str) -> list[Section]:
+    conversation = "../shared/traces/mooncake_conversation.jsonl"
+    synthetic = "../shared/traces/mooncake_synthetic.jsonl"
+    out = [
+        Section("Replay: Mooncake conversation trace (12,031 requests, 512-token pages)",
+                "Token and block hit ratio by policy and capacity (a fraction of the trace's distinct blocks); "
+                "belady is the offline optimum. The reference table is in `../shared/traces/README.md`.",
+                replay(conversation)),
+        Section("Replay: Mooncake synthetic trace", "As above, on the second shipped trace.", replay(synthetic)),
+    ]
+    for profile in ("to-b", "to-c", "mixed"):
+        out.append(Section(
+            f"Replay: synth profile {profile} (seed 1, 10,000 requests, 16-token pages)",
+            f"`kvpool-sidecar synth --profile {profile} --seed 1 --requests 10000` first; then the replay.",
+            replay(f"{synth_dir}/{profile}.jsonl", POLICIES[:-1])))
+    out += [
+        Section("Pool operations", "Page ops per second of the LRU pool replaying the conversation trace, and "
+                "Python memory per cached page of a 1,000,000-page pool.", ["python", "bench/pool_ops.py"]),
+        Section("Eviction cost", "Per evicted page, each policy, a full pool of 1,000,000 pages; memory per cached "
+                "page with each policy.", ["python", "bench/eviction.py"]),
+        Section("Drift detection", "How fast the reuse model sees a class's reuse rate change.",
+                ["python", "bench/drift.py"]),
+        Section("Cluster routing", "Hit ratio and load imbalance of the routing modes over 4 pods.",
+                ["python", "bench/routing.py"]),
+        Section("Sidecar under load, authentication off and on", "Concurrent HTTP clients against a live "
+                "`kvpool-sidecar serve`; the ratios compare the two runs of one invocation.",
+                ["python", "bench/sidecar_load.py", "--seconds", "10", "--compare-auth"]),
+        Section("Kernels", "Page copies: the torch path on this CPU (Triton is checked bit for bit in the "
+                "tests, under the interpreter).", ["python", "bench/kernels.py"]),
+        Section("Operator reconcile latency", "From a policy update to its ConfigMap, against KMock's emulator.",
+                ["python", "bench/reconcile_latency.py"]),
+        Section("A real engine: vLLM serving from kvpool", "800 requests of the conversation trace through real "
+                "vLLM (a tiny random model on the CPU): tokens served from the second tier, cost per request, "
+                "TTFT, and greedy tokens against vLLM alone.", ["python", "bench/engine.py"], slow=True),
+        Section("Authentication's cost in instructions", "cachegrind counts per admit + release pair, "
+                "credentials off and on.", ["python", "bench/auth_cost.py", "--requests", "300"], slow=True),
+    ]
+    return out
+
+
+def run(section: Section) -> tuple[str, float, int]:
+    argv = list(section.command)
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    elif argv[0] == "kvpool-sidecar":
+        argv = [sys.executable, "-m", "kvpool_sidecar.cli", *argv[1:]]
+    start = time.monotonic()
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONHASHSEED": "0"})
+    text = done.stdout.rstrip() or done.stderr[-3000:].rstrip()
+    return text, time.monotonic() - start, done.returncode
+
+
+def commit() -> str:
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + (" with uncommitted changes" if dirty else "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--all", action="store_true", help="also the slow sections (engine, cachegrind)")
+    parser.add_argument("--only", action="append", help="run only the sections whose title has this word")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as synth_dir:
+        for profile in ("to-b", "to-c", "mixed"):
+            subprocess.run([sys.executable, "-m", "kvpool_sidecar.cli", "synth", "--profile", profile, "--seed", "1",
+                            "--requests", "10000", "-o", f"{synth_dir}/{profile}.jsonl"], check=True, cwd=ROOT)
+        when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        parts = [
+            "# Measured figures\n",
+            f"Generated by `make bench-report` (`bench/report.py`) on {when}, commit {commit()}, on the "
+            "development machine (2 cores, no GPU, a shared VM whose wall times move by 20-30 %: compare rows of "
+            "one run, or instruction counts from `bench/instructions.py`). Every figure is what the command above "
+            "it printed in that run; do not edit by hand. Earlier sessions' figures, dated: "
+            "[benchmarks-history.md](benchmarks-history.md).\n",
+        ]
+        for section in sections(synth_dir):
+            if args.only and not any(word.lower() in section.title.lower() for word in args.only):
+                continue
+            parts.append(f"## {section.title}\n\n{section.what}\n")
+            shown = " ".join(section.command).replace(synth_dir, "<synth>").replace("python ", ".venv/bin/python ", 1)
+            if section.slow and not args.all:
+                parts.append(f"```\n{shown}\n```\n\nNot run in this report (slow: `bench/report.py --all`).\n")
+                continue
+            print(f"running: {shown}", file=sys.stderr, flush=True)
+            text, seconds, code = run(section)
+            status = "" if code == 0 else f" **(exit status {code})**"
+            parts.append(f"```\n{shown}\n```\n\n{seconds:.0f} s{status}:\n\n```\n{text}\n```\n")
+    OUT.write_text("\n".join(parts))
+    print(f"wrote {OUT}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
