@@ -171,3 +171,24 @@ def test_engine_prompts_share_tokens_exactly_where_the_trace_shares_ids():
     assert all(3 <= t < 512 for t in a.tokens + b.tokens)
     capped = engine_prompts(trace, 0, 1, block_size=32, max_blocks=2, vocab=512)[0]
     assert capped.tokens == a.tokens[:64]
+
+
+def test_adversarial_profiles_have_the_shape_they_promise():
+    """to-b-burst: every reuse within seconds; scan: a hot set between one-shot documents."""
+    burst = parse_lines(generate("to-b-burst", 3000, seed=1))
+    last_seen: dict[int, float] = {}
+    gaps = []
+    for r in burst.requests:
+        for h in r.hash_ids[:1]:
+            if h in last_seen:
+                gaps.append(r.timestamp - last_seen[h])
+            last_seen[h] = r.timestamp
+    gaps.sort()
+    assert gaps and gaps[int(0.9 * len(gaps))] < 8.0  # 90 % of template reuses within 8 s
+    assert burst.requests[0].meta.workload_class == "toB"
+    scan = parse_lines(generate("scan", 3000, seed=1))
+    firsts = [r.hash_ids[0] for r in scan.requests]
+    counts = {h: firsts.count(h) for h in set(firsts)}
+    hot = [h for h, n in counts.items() if n > 1]
+    assert len(hot) == 8 and sum(counts[h] for h in hot) > 0.4 * len(firsts)  # the hot set
+    assert sum(1 for n in counts.values() if n == 1) > 0.4 * len(firsts)  # the scan: seen once

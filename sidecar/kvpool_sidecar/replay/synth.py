@@ -8,6 +8,16 @@
   0.54.
 * mixed: both, to-C two thirds of the requests.
 
+Two adversarial profiles, made to break policies tuned on the others (issue 19):
+
+* to-b-burst: API calls re-sending long templates in tight bursts, every reuse within about 8 s
+  (calls 2 s apart on average), from many clients, with a third of the traffic one-off long calls
+  that are never reused: what matters is keeping the last few seconds, and a policy that holds pages
+  for a chat-sized window or by their history loses to LRU.
+* scan: a hot set of shared prefixes (system prompts, a few documents) reused all the time, with
+  long one-shot documents streaming through between them: LRU lets each scan flush the hot set; a
+  policy must keep what is reused without being told.
+
 Deterministic for a seed. Block size 16 tokens; every block id stands for its whole prefix.
 """
 
@@ -21,7 +31,7 @@ from dataclasses import dataclass
 from typing import TextIO
 
 BLOCK = 16
-PROFILES = ("to-c", "to-b", "mixed")
+PROFILES = ("to-c", "to-b", "mixed", "to-b-burst", "scan")
 RATE = 2.0  # sessions (conversations, API bursts) starting per second
 TURN_GAP_RATE = 0.15 / 60.0  # per second: a chat's next turn comes after Exp(0.15/min)
 CALL_GAP_RATE = 6.0 / 60.0  # per second: an API burst's next call comes after Exp(6/min)
@@ -147,6 +157,52 @@ def _to_b(
     return rows
 
 
+def _to_b_burst(rng: random.Random, ids: _Ids, rows_wanted: int, chat_ids: Iterator[int]) -> list[_Row]:
+    """Bursts of 2-8 calls 2 s apart (Exp) on one of 64 long templates (a fresh copy per burst), and
+    one-off long calls between them."""
+    templates = [(f"client{c}", _lognormal(rng, 3000, 0.5, 800, 12000)) for c in range(64)]
+    rows: list[_Row] = []
+    t = 0.0
+    while len(rows) < rows_wanted:
+        t += rng.expovariate(4.0)
+        user, length = rng.choice(templates)
+        if rng.random() < 1 / 3:  # a one-off: never seen again
+            hash_ids = ids.extend([], 0, length)
+            rows.append(_Row(t, next(chat_ids), -1, length, 50, "api", 0, hash_ids, "to-b", "oneoff"))
+            continue
+        base = ids.extend([], 0, length)  # this burst's copy of the template
+        when = t
+        for _ in range(rng.randint(2, 8)):
+            query = _lognormal(rng, 64, 0.8, 8, 1024)
+            rows.append(_Row(when, next(chat_ids), -1, length + query, 50, "api", 0,
+                             ids.extend(base, length, length + query), "to-b", user))
+            when += rng.expovariate(0.5)
+    return rows
+
+
+def _scan(rng: random.Random, ids: _Ids, rows_wanted: int, chat_ids: Iterator[int]) -> list[_Row]:
+    """Half the requests reuse one of 8 hot prefixes (plus a short question); the other half are long
+    one-shot documents (a scan)."""
+    hot = []
+    for _ in range(8):
+        length = rng.choice([1024, 2048, 4096])
+        hot.append((ids.extend([], 0, length), length))
+    rows: list[_Row] = []
+    t = 0.0
+    while len(rows) < rows_wanted:
+        t += rng.expovariate(RATE)
+        if rng.random() < 0.5:
+            prefix, length = rng.choice(hot)
+            question = _lognormal(rng, 100, 0.8, 8, 1000)
+            rows.append(_Row(t, next(chat_ids), -1, length + question, 100, "text", 0,
+                             ids.extend(prefix, length, length + question), "to-c", "hot"))
+        else:
+            length = _lognormal(rng, 12000, 0.5, 4000, 32000)
+            rows.append(_Row(t, next(chat_ids), -1, length, 100, "file", 0, ids.extend([], 0, length), "to-c",
+                             "scan"))
+    return rows
+
+
 def generate(profile: str, requests: int, seed: int, gap_scale: float = 1.0) -> list[str]:
     """``requests`` JSON lines of a ``profile`` trace, in timestamp order; ``gap_scale`` multiplies the
     rate of the reuse gaps (a chat's next turn, a burst's next call): 4 is reuse 4x sooner."""
@@ -160,6 +216,10 @@ def generate(profile: str, requests: int, seed: int, gap_scale: float = 1.0) -> 
     # Sessions start at RATE per second until they have made 1.3x the requests asked for (later turns
     # land after the cut); the earliest ``requests`` are kept.
     rows: list[_Row] = []
+    if profile == "to-b-burst":
+        rows += _to_b_burst(rng, ids, requests, chat_ids)
+    if profile == "scan":
+        rows += _scan(rng, ids, requests, chat_ids)
     if profile in ("to-c", "mixed"):
         share = 1.0 if profile == "to-c" else 2 / 3
         rows += _to_c(rng, ids, RATE, int(1.3 * requests * share) + 1, chat_ids, gap_scale)
