@@ -20,8 +20,9 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from worktrees import checked_out
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {
@@ -54,19 +55,9 @@ def main() -> int:
     parser.add_argument("after")
     args = parser.parse_args()
     results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, commit in enumerate((args.before, args.after)):
-            if commit == "worktree":
-                results.append(measure(ROOT))
-                continue
-            tree = Path(tmp) / f"tree{i}"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit], check=True,
-                           capture_output=True)
-            try:
-                results.append(measure(tree))
-            finally:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False,
-                               capture_output=True)
+    for commit in (args.before, args.after):
+        with checked_out(commit) as tree:
+            results.append(measure(tree))
     before, after = results
     print(f"{'benchmark':<10} {'before':>16} {'after':>16} {'after/before':>13}   ({args.before} -> {args.after})")
     for name in BENCHES:

@@ -22,6 +22,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from worktrees import checked_out
+
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
 POLICIES = ("lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact")
@@ -66,14 +68,6 @@ def cells(source: Path, workdir: Path) -> dict[str, dict[str, float]]:
             for r in rows}
 
 
-def checkout(commit: str, into: Path) -> Path:
-    if commit == "worktree":
-        return ROOT
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(into), commit], check=True,
-                   capture_output=True)
-    return into
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("commits", nargs="*", help="BEFORE AFTER (commits; 'worktree' for this checkout)")
@@ -92,14 +86,9 @@ def main() -> int:
             parser.error("give two commits, --out or --against")
         else:
             results = []
-        for i, commit in enumerate(args.commits if not args.against else []):
-            source = checkout(commit, workdir / f"tree{i}")
-            try:
+        for commit in args.commits if not args.against else []:
+            with checked_out(commit) as source:
                 results.append(cells(source, workdir))
-            finally:
-                if source != ROOT:
-                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(source)],
-                                   check=False, capture_output=True)
     before, after = results
     differ = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     for key in differ:

@@ -45,6 +45,12 @@ class TooLong(PoolError):
     status = 413
 
 
+class TooManyPins(PoolError):
+    """A credential holds as many pin records as it may (each costs memory, even on pinned pages)."""
+
+    status = 429
+
+
 class PoolExhausted(PoolError):
     status = 503
 

@@ -74,9 +74,6 @@ class Scoring(PolicyBase):
         fresh, base = self.base_rank(p, lam, window, reuse_within(lam, window), age)
         return fresh, base + self.beta_level * level
 
-    def score(self, klass: Hashable, level: int, age: float) -> float:
-        return self.rank(klass, level, age)[1]
-
 
 class TopShare:
     """The score above which the top ``share`` of recent scores lie: a decayed histogram of sampled

@@ -134,6 +134,10 @@ class Pinning:
     def pins(self) -> dict[str, Pin]:
         return dict(self._pin_records)
 
+    @property
+    def pin_count(self) -> int:
+        return len(self._pin_records)
+
     def pin_ids(self) -> set[str]:
         """The live pins' ids (those past their TTL are gone once any pin call has run)."""
         return set(self._pin_records)

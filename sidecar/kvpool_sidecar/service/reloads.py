@@ -81,7 +81,7 @@ class ConfigReloads:
 
     def _report_unpinned(self, unpinned: list[Any], config: SidecarConfig) -> str:
         for record in unpinned:
-            self.pins_by_owner.get(self._pin_owner.pop(record.pin_id, ""), set()).discard(record.pin_id)
+            self._forget_pin(record.pin_id)
         self.metrics.pins_removed.labels("quota_lowered").inc(len(unpinned))
         notice = (f"pinning.quotaPercent {config.pinning.quotaPercent} leaves room for {self.pool.pin_quota} "
                   f"pinned pages: unpinned the {len(unpinned)} oldest pins "

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from kvpool_sidecar.config import SidecarConfig, spec_hash
 from kvpool_sidecar.keys import workload_class_of
-from kvpool_sidecar.pool import PagePool, PoolError, UnknownPin, UnknownSequence, WorkloadMeta
+from kvpool_sidecar.pool import PagePool, PoolError, TooManyPins, UnknownPin, UnknownSequence, WorkloadMeta
 from kvpool_sidecar.service.credentials import ADMIN, Principal
 from kvpool_sidecar.service.metrics import SidecarMetrics
 from kvpool_sidecar.service.reloads import ConfigReloads, ConfigState
@@ -38,11 +38,6 @@ DEFAULT_MAX_SEQUENCES = 16_384  # live sequences one sidecar holds (an engine ru
 DEFAULT_MAX_SEQUENCE_TOKENS = 1 << 20  # the longest contexts served today are about a million tokens
 DEFAULT_MAX_PINS_PER_OWNER = 4096  # pin records one credential holds (auto-pins are the pool's own)
 
-
-class TooManyPins(PoolError):
-    """A credential holds as many pin records as it may."""
-
-    status = 429
 HEAVY_PAGES = 2048  # an admission of this many pages may evict as many: ~10 ms, off the event loop
 
 
@@ -95,7 +90,7 @@ class Sidecar(ConfigReloads):
         self.transfer_keys = transfer_keys
         self._seq_owner: dict[str, str] = {}  # who admitted each live sequence (bounded by max_sequences)
         self._pin_owner: dict[str, str] = {}  # who pinned each pin record
-        self.pins_by_owner: dict[str, set[str]] = {}  # each credential's pins (bounded by max_pins_per_owner)
+        self._pins_by_owner: dict[str, set[str]] = {}  # each credential's pins (bounded by max_pins_per_owner)
         self.max_pins_per_owner = max_pins_per_owner
         self.pool = PagePool(pages, config.spec(), clock=clock, max_sequences=max_sequences,
                              max_sequence_tokens=max_sequence_tokens)
@@ -165,7 +160,7 @@ class Sidecar(ConfigReloads):
     def pin(self, *args: Any, owner: Principal = ADMIN, **kwargs: Any) -> Any:
         """Pin for ``owner``, who may hold at most ``max_pins_per_owner`` live pin records (each costs
         memory even on pages pinned already, so the page quota alone does not bound them)."""
-        held = self.pins_by_owner.setdefault(owner.key, set())
+        held = self._pins_by_owner.setdefault(owner.key, set())
         if len(held) >= self.max_pins_per_owner:
             held &= self.pool.pin_ids()  # forget the ones that lapsed by TTL first
             if len(held) >= self.max_pins_per_owner:
@@ -176,7 +171,7 @@ class Sidecar(ConfigReloads):
         record = self.pool.pin(*args, **kwargs)
         self._pin_owner[record.pin_id] = owner.key
         held.add(record.pin_id)
-        if len(self._pin_owner) > 2 * self.pool.stats().pins + 1024:  # lapsed pins: forget their owners
+        if len(self._pin_owner) > 2 * self.pool.pin_count + 1024:  # lapsed pins: forget their owners
             live = self.pool.pin_ids()
             self._pin_owner = {pin_id: who for pin_id, who in self._pin_owner.items() if pin_id in live}
         return record
@@ -186,7 +181,11 @@ class Sidecar(ConfigReloads):
         if who.role != "admin" and self._pin_owner.get(pin_id) != who.key:
             raise UnknownPin(f"no pin {pin_id!r}", "pin_id")
         self.pool.unpin(pin_id)
-        self.pins_by_owner.get(self._pin_owner.pop(pin_id, ""), set()).discard(pin_id)
+        self._forget_pin(pin_id)
+
+    def _forget_pin(self, pin_id: str) -> None:
+        """Drop a removed pin from its owner's records."""
+        self._pins_by_owner.get(self._pin_owner.pop(pin_id, ""), set()).discard(pin_id)
 
     def admit(self, seq_id: str, tokens: list[int] | None, block_hashes: list | None, num_tokens: int | None,
               meta: WorkloadMeta, owner: Principal = ADMIN) -> Any:
