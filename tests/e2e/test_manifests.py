@@ -234,3 +234,32 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     engine_token = (tmp_path / "kvpool-sidecar-tokens" / "engine").read_text()
     assert credentials.who(engine_token).role == "engine"  # page transfer and mapping the pool
     assert TransferKeys.load(tmp_path / "kvpool-transfer-keys" / "keys").signing[0] == "k1"
+
+
+def test_the_pod_monitor_scrapes_every_kvpool_container():
+    """The PodMonitor (a custom resource, skipped by the schema check above): its selector picks the
+    pods of every Deployment running kvpool, and each kvpool container serves /metrics beyond loopback
+    on a named port that one of its endpoints scrapes."""
+    from kvpool_sidecar.cli import build_parser
+    from kvpool_sidecar.config import LabelSelector
+
+    monitor = next(doc for _, doc in documents() if doc["kind"] == "PodMonitor")
+    selector = LabelSelector.model_validate(monitor["spec"]["selector"])
+    scraped_ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"] if e["path"] == "/metrics"}
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    checked = 0
+    for _, doc in documents():
+        if doc["kind"] != "Deployment":
+            continue
+        template = doc["spec"]["template"]
+        for container in template["spec"]["containers"]:
+            if "kvpool-sidecar" not in container["image"]:
+                continue
+            assert selector.matches(template["metadata"]["labels"]), doc["metadata"]["name"]
+            args = build_parser().parse_args(container["args"])
+            host, port = ((args.metrics_host, args.metrics_port) if args.command == "serve"
+                          else (args.host, args.port))
+            named = {p["containerPort"]: p["name"] for p in container["ports"]}
+            assert host == "0.0.0.0" and named.get(port) in scraped_ports, (doc["metadata"]["name"], host, port)
+            checked += 1
+    assert checked == 2  # the inference pod's sidecar and the router
