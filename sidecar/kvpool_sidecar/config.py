@@ -19,7 +19,9 @@ API_GROUP = "kvpool.dev"
 API_VERSION = "v1alpha1"
 KIND = "KVCachePolicy"
 
-EvictionPolicyName = Literal["lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact"]
+EvictionPolicyName = Literal[
+    "lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact", "workload_adaptive"
+]
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
 DURATION_PATTERN = r"^(\d+(\.\d+)?(ms|s|m|h))+$"
@@ -153,9 +155,38 @@ class Weights(_Model):
         return self
 
 
+DEFAULT_REUSE_WEIGHTS = (0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+class SelfTuning(_Model):
+    """Online choice of the reuse weight (workload_adaptive): sampled shadow caches replay the request
+    stream under each candidate and the live policy follows the best, with hysteresis."""
+
+    enabled: bool = Field(default=True, description="off: the configured weights are used as they are")
+    reuseWeights: list[Annotated[float, Field(ge=0, le=1)]] = Field(
+        default_factory=lambda: list(DEFAULT_REUSE_WEIGHTS), min_length=1, max_length=16,
+        description="candidate alphas (0 is plain LRU); the tuner starts at the smallest",
+    )
+    sampleOneIn: Literal[1, 2, 4, 8, 16, 32] = Field(
+        default=8, description="the shadows see one prompt in this many (by first page) at that share of pages"
+    )
+    horizonRequests: int = Field(default=1000, ge=50, le=1_000_000, description="requests a shadow's hits decay over")
+    marginPercent: float = Field(
+        default=2.0, ge=0, le=100, description="how much better a candidate must do to be adopted"
+    )
+
+    @field_validator("reuseWeights")
+    @classmethod
+    def _distinct(cls, weights: list[float]) -> list[float]:
+        if len(set(weights)) != len(weights):
+            raise ValueError("candidates must be distinct")
+        return sorted(weights)
+
+
 class Eviction(_Model):
     policy: EvictionPolicyName = "workload_aware"
     weights: Weights = Field(default_factory=Weights)
+    selfTuning: SelfTuning = Field(default_factory=SelfTuning)
     protectedPercent: float = Field(
         default=20, ge=0, le=90, description="share of cached pages with the highest value, evicted last"
     )

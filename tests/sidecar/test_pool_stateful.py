@@ -110,7 +110,8 @@ class PoolMachine(RuleBasedStateMachine):
             "preEviction": {"enabled": True, "lowWatermarkPercent": 30},
         })
 
-    @rule(policy=st.sampled_from(["lru", "fifo", "lfu", "s3fifo", "workload_aware"]), to_b=st.integers(0, 50),
+    @rule(policy=st.sampled_from(["lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_adaptive"]),
+          to_b=st.integers(0, 50),
           quota=st.integers(0, 30), auto_pin=st.booleans())
     def reconfigure(self, policy: str, to_b: int, quota: int, auto_pin: bool) -> None:
         """A hot reload: no cached page is lost (what the model says is published stays so), over-full
@@ -124,6 +125,15 @@ class PoolMachine(RuleBasedStateMachine):
         if dropped:  # only as many as it took, oldest first
             assert before.pinned_pages > after.pin_quota_pages
             assert [p.pin_id for p in dropped] == list(before_ids)[: len(dropped)]
+
+    @rule(weight=st.sampled_from([None, 0.0, 0.01, 0.3, 1.0]))
+    def retune(self, weight: float | None) -> None:
+        """What the self-tuner does on a switch: the adaptive policy's order changes, no page moves."""
+        before = self.pool.stats()
+        for policy in self.pool.policies:
+            if policy.uses_frequency:
+                policy.set_reuse_weight(weight)
+        assert self.pool.stats() == before
 
     @rule(budget=st.integers(1, 20))
     def pre_evict(self, budget: int) -> None:
@@ -301,6 +311,13 @@ class TightWorkloadAwarePool(PoolMachine):
     policy = "workload_aware"
 
 
+class TightAdaptivePool(PoolMachine):
+    """The self-tuned policy: queues by count, prefix-closed, named in bulk."""
+
+    pages = 20
+    policy = "workload_adaptive"
+
+
 class TightShuffledPool(PoolMachine):
     pages = 20
     policy_factory = ShuffledInBulk
@@ -323,9 +340,10 @@ TestTightWorkloadAwarePool = TightWorkloadAwarePool.TestCase
 TestTightWorkloadAwarePool.settings = settings(
     max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
 )
-for machine in (TightShuffledPool, TightShuffledRestoredPool):
+for machine in (TightShuffledPool, TightShuffledRestoredPool, TightAdaptivePool):
     machine.TestCase.settings = settings(
         max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
     )
 TestTightShuffledPool = TightShuffledPool.TestCase
 TestTightShuffledRestoredPool = TightShuffledRestoredPool.TestCase
+TestTightAdaptivePool = TightAdaptivePool.TestCase

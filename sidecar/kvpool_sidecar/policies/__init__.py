@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvpool_sidecar.policies.adaptive import WorkloadAdaptivePolicy, credit_scale
 from kvpool_sidecar.policies.base import (
     NO_PAGE,
     EvictionPolicy,
@@ -28,6 +29,7 @@ POLICIES: dict[str, PolicyFactory] = {
     "s3fifo": S3FIFOPolicy,
     "workload_aware": WorkloadAwarePolicy,
     "workload_aware_exact": WorkloadAwareExactPolicy,
+    "workload_adaptive": WorkloadAdaptivePolicy,
 }
 
 
@@ -52,8 +54,10 @@ __all__ = [
     "PolicyError",
     "PolicyFactory",
     "S3FIFOPolicy",
+    "WorkloadAdaptivePolicy",
     "WorkloadAwareExactPolicy",
     "WorkloadAwarePolicy",
+    "credit_scale",
     "has_unnamed_child",
     "make_policy",
 ]

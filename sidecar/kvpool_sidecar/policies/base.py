@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from kvpool_sidecar.config import KVCachePolicySpec
+from kvpool_sidecar.frequency import FrequencyView
 from kvpool_sidecar.workload import ReuseModel
 
 NO_PAGE = -1  # "no page": a free page's parent, a leaf's first child
@@ -62,12 +63,14 @@ class PolicyContext:
     key_of: Callable[[int], Hashable | None]
     partition: str = "toC"
     tree: PageTree | None = None
+    frequency: FrequencyView | None = None  # the pool's page counts, for a policy that ranks by them
 
 
 class EvictionPolicy(Protocol):
     name: str
     bulk: bool  # it names victims in bulk: ``victims`` (and, if it does not stop early, ``restore``)
     uses_model: bool  # it ranks by the reuse model: the pool keeps the ghost of evicted keys
+    uses_frequency: bool  # it ranks by page counts: the pool counts prompts' pages in its sketch
 
     def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
         """``pages`` became evictable at ``now``, least valuable first (a prompt's tail before its head).
@@ -100,6 +103,9 @@ class EvictionPolicy(Protocol):
     def check(self) -> None:
         """Assert the consistency of the policy's own structure."""
 
+    def set_reuse_weight(self, weight: float | None) -> None:
+        """The self-tuner's choice of alpha (None: the configured weights); only when ``uses_frequency``."""
+
     def __len__(self) -> int: ...
 
     def __contains__(self, page: int) -> bool: ...
@@ -110,6 +116,7 @@ class PolicyBase:
 
     bulk = False
     uses_model = False
+    uses_frequency = False
 
     def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
         raise NotImplementedError(f"{type(self).__name__} names victims one at a time (bulk is False)")
@@ -119,6 +126,9 @@ class PolicyBase:
 
     def check(self) -> None:
         return None
+
+    def set_reuse_weight(self, weight: float | None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is not self-tuned (uses_frequency is False)")
 
 
 class PolicyError(ValueError):

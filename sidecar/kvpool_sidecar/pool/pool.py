@@ -31,6 +31,7 @@ from kvpool_sidecar.keys import (
 )
 from kvpool_sidecar.policies import EvictionPolicy, PageTree, PolicyContext, PolicyFactory, make_policy
 from kvpool_sidecar.pool.eviction import Eviction
+from kvpool_sidecar.pool.frequencies import PageFrequencies
 from kvpool_sidecar.pool.ghost import GhostMemory
 from kvpool_sidecar.pool.pages import PageTable
 from kvpool_sidecar.pool.pins import Pinning
@@ -39,7 +40,7 @@ from kvpool_sidecar.pool.sequences import SequenceTable
 from kvpool_sidecar.workload import ReuseModel
 
 
-class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning):
+class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFrequencies):
     """A fixed set of ``total_pages`` pages of ``page_size`` tokens, shared by prefix across sequences.
 
     Invariants (checked by :meth:`check_invariants`, named so that code and tests agree):
@@ -77,6 +78,7 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning):
         self._init_ghost()
         self._init_eviction()
         self._init_pins(total_pages)
+        self._init_frequencies()
         self.model = ReuseModel(spec)
         self._fixed_factory = policy_factory
         self._policies: list[EvictionPolicy] = [self._new_policy(spec, i) for i in range(len(PARTITIONS))]
@@ -99,11 +101,12 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning):
         self._shared_first = frozenset(spec.tenancy.sharedPrefixes)
         self._autopin = spec.pinning.autoPin
         self._class_by = (("requestType" in spec.learning.classBy), ("turn" in spec.learning.classBy))
+        self._size_frequencies(spec)
         self.spec = spec
 
     def _new_policy(self, spec: KVCachePolicySpec, part: int) -> EvictionPolicy:
         tree = PageTree(self._parent, self._first_child, self._next_sib)
-        ctx = PolicyContext(spec, self.model, self._key.__getitem__, PARTITIONS[part], tree)
+        ctx = PolicyContext(spec, self.model, self._key.__getitem__, PARTITIONS[part], tree, self._frequency_view(part))
         if self._fixed_factory is not None:
             return self._fixed_factory(ctx)
         return make_policy(spec.eviction.policy, ctx)
@@ -198,6 +201,8 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning):
             self._observe_late_reuses(keys[len(hits):], now)
         evictions = self.evictions
         pages = hits + self._allocate(part, need, now) if need > 0 else hits
+        if self._counting:
+            self._count_pages(keys, pages, part, meta.workload_class, now)
         cached_tokens = min(len(hits) * ps, n)
         self.hit_tokens += cached_tokens
         self.lookup_tokens += n

@@ -1,0 +1,69 @@
+"""Page counts and the self-tuner; a part of :class:`~kvpool_sidecar.pool.PagePool`.
+
+Kept only while a partition's policy ranks by page counts (``uses_frequency``): every admitted
+prompt's page keys are counted in the sketch, its partition's reuse-by-count curve learns from the
+counts, and (with ``eviction.selfTuning`` on) its partition's tuner is fed and may move the policy's
+reuse weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from kvpool_sidecar.config import KVCachePolicySpec
+from kvpool_sidecar.frequency import COUNT_CAP, FrequencySketch, FrequencyView, ReuseByCount
+from kvpool_sidecar.keys import TO_C
+from kvpool_sidecar.pool.records import PARTITIONS
+from kvpool_sidecar.pool.tuning import SelfTuner
+
+
+class PageFrequencies:
+    def _init_frequencies(self) -> None:
+        self._sketch = FrequencySketch(0)
+        self._page_counts: list[int] = []  # per page, its count when last admitted (while counting)
+        self._curves = [ReuseByCount() for _ in PARTITIONS]
+        self._tuners: list[SelfTuner | None] = [None] * len(PARTITIONS)
+        self._tuner_shape: list[tuple | None] = [None] * len(PARTITIONS)
+        self._counting = False
+
+    def _frequency_view(self, part: int) -> FrequencyView:
+        return FrequencyView(self._page_counts, self._curves[part])
+
+    def _size_frequencies(self, spec: KVCachePolicySpec) -> None:
+        """Count pages (and tune) for the partitions whose policy ranks by counts; drop it otherwise."""
+        counted = [p.uses_frequency for p in self._policies]
+        self._counting = any(counted)
+        want = self.total_pages if self._counting else 0
+        if self._sketch.pages != want:
+            self._sketch.size_for(want)
+            self._page_counts[:] = [0] * want
+        tuning = spec.eviction.selfTuning
+        gamma = spec.eviction.weights.timeWindow or 1.0
+        for part, policy in enumerate(self._policies):
+            shape = (self._caps[part], gamma, tuning) if counted[part] and tuning.enabled and self._caps[part] else None
+            if shape != self._tuner_shape[part]:
+                self._tuner_shape[part] = shape
+                self._tuners[part] = None if shape is None else SelfTuner(self._caps[part], gamma, tuning)
+            if counted[part]:
+                tuner = self._tuners[part]
+                policy.set_reuse_weight(None if tuner is None else tuner.weight)
+
+    def _count_pages(self, keys: list[Hashable], pages: list[int], part: int, workload_class: str,
+                     now: float) -> None:
+        """One admitted prompt: its pages counted, its partition's curve and tuner fed."""
+        sketch = self._sketch
+        tuner = self._tuners[part]
+        before, sampled = sketch.add(keys, tuner.sample_shift if tuner is not None else 0)
+        page_counts = self._page_counts
+        for page, count in zip(pages, before, strict=False):  # the keys of its full pages lead
+            page_counts[page] = count + 1 if count < COUNT_CAP else count
+        curve = self._curves[part]
+        curve.observe(before, sketch.halvings)
+        if tuner is not None:
+            window = self._windows.get(workload_class, self._windows[TO_C])
+            if tuner.observe(keys, before, sampled, curve.p, window, now):
+                self._policies[part].set_reuse_weight(tuner.weight)
+
+    def tuners(self) -> dict[str, SelfTuner]:
+        """The self-tuners by partition (those running)."""
+        return {PARTITIONS[i]: t for i, t in enumerate(self._tuners) if t is not None}
