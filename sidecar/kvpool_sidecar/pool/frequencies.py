@@ -25,6 +25,7 @@ class PageFrequencies:
         self._tuners: list[SelfTuner | None] = [None] * len(PARTITIONS)
         self._tuner_shape: list[tuple | None] = [None] * len(PARTITIONS)
         self._counting = False
+        self.tuning_switches = [0] * len(PARTITIONS)  # across tuner restarts (a counter for metrics)
 
     def _frequency_view(self, part: int) -> FrequencyView:
         return FrequencyView(self._page_counts, self._curves[part])
@@ -63,7 +64,25 @@ class PageFrequencies:
             window = self._windows.get(workload_class, self._windows[TO_C])
             if tuner.observe(keys, before, sampled, curve.p, window, now):
                 self._policies[part].set_reuse_weight(tuner.weight)
+                self.tuning_switches[part] += 1
 
     def tuners(self) -> dict[str, SelfTuner]:
         """The self-tuners by partition (those running)."""
         return {PARTITIONS[i]: t for i, t in enumerate(self._tuners) if t is not None}
+
+    def tuning(self) -> dict[str, dict]:
+        """Per partition whose policy ranks by counts: the reuse weight in force, whether the tuner
+        chose it, the switches so far and each candidate's recent shadow hit ratio."""
+        out: dict[str, dict] = {}
+        for part, policy in enumerate(self._policies):
+            if not policy.uses_frequency:
+                continue
+            tuner = self._tuners[part]
+            out[PARTITIONS[part]] = {
+                "reuse_weight": policy.weights[0],
+                "self_tuned": tuner is not None,
+                "switches": self.tuning_switches[part],
+                "shadow_hit_ratios": {} if tuner is None else tuner.hit_ratios(),
+                "sample_one_in": 0 if tuner is None else tuner.sample_one_in,
+            }
+        return out

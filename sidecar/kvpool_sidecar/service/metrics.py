@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 REGIONS = ("prefix", "middle", "suffix")
@@ -178,3 +178,28 @@ class _PoolCollector(Collector):
             prob.add_metric([klass], p)
         yield decay
         yield prob
+        yield from _tuning_families(snap["tuning"])
+
+
+def _tuning_families(tuning: dict[str, dict]) -> Iterator[Metric]:
+    """The self-tuner per partition: the reuse weight in force, each candidate's shadow hit ratio, switches."""
+    weight = GaugeMetricFamily(
+        "kvpool_tuning_reuse_weight", "Reuse weight (alpha) in force, chosen by the self-tuner or configured",
+        labels=["partition"],
+    )
+    shadows = GaugeMetricFamily(
+        "kvpool_tuning_shadow_hit_ratio", "Recent share of sampled pages each candidate's shadow cache hit",
+        labels=["partition", "reuse_weight"],
+    )
+    switches = CounterMetricFamily(
+        "kvpool_tuning_switches", "Times the self-tuner moved the live policy to another reuse weight",
+        labels=["partition"],
+    )
+    for partition, state in tuning.items():
+        weight.add_metric([partition], state["reuse_weight"])
+        switches.add_metric([partition], state["switches"])
+        for candidate, ratio in state["shadow_hit_ratios"].items():
+            shadows.add_metric([partition, f"{candidate:g}"], ratio)
+    yield weight
+    yield shadows
+    yield switches

@@ -345,6 +345,7 @@ class Sidecar(ConfigReloads):
             "fragmentation": st.fragmentation_tokens,
             "sequences": st.sequences,
             "fits": fits,
+            "tuning": self.pool.tuning(),
         }
 
     def stats(self) -> dict[str, Any]:
@@ -370,6 +371,10 @@ class Sidecar(ConfigReloads):
                 "/".join(str(x) for x in k) if isinstance(k, tuple) else str(k): {
                     "decay_per_minute": rate, "reuse_probability": p, "reuses": n}
                 for k, (rate, p, n) in self.pool.model.classes().items()
+            },
+            "tuning": {
+                part: {**t, "shadow_hit_ratios": {f"{w:g}": r for w, r in t["shadow_hit_ratios"].items()}}
+                for part, t in self.pool.tuning().items()
             },
             "backend": self.backend,
         }

@@ -1,0 +1,194 @@
+"""The self-tuned policy (workload_adaptive): its order, its counts, its tuner, and what operators see."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, validate_config
+from kvpool_sidecar.frequency import COUNT_CAP, FrequencySketch, ReuseByCount
+from kvpool_sidecar.pool import PagePool
+from kvpool_sidecar.pool.tuning import SelfTuner, ShadowCache
+from kvpool_sidecar.replay import parse_lines, replay_pool
+from kvpool_sidecar.replay.synth import generate
+from support import live_sidecar
+
+
+def adaptive(weight: float | None = None, **tuning: object) -> KVCachePolicySpec:
+    """workload_adaptive, self-tuned, or with the fixed reuse weight ``weight`` (no locality term)."""
+    eviction: dict = {"policy": "workload_adaptive", "selfTuning": tuning}
+    if weight is not None:
+        eviction["weights"] = {"reuse": weight, "locality": 0, "timeWindow": 0.1}
+        eviction["selfTuning"] = {**tuning, "enabled": False}
+    return KVCachePolicySpec.model_validate({"eviction": eviction})
+
+
+def trace(profile: str, requests: int = 3000, seed: int = 1):
+    return parse_lines(generate(profile, requests, seed), f"{profile}:{seed}")
+
+
+def test_with_no_reuse_weight_it_evicts_exactly_as_lru():
+    """alpha = 0 is plain recency: the same hits and the same evictions as the LRU policy, page for page."""
+    for profile in ("mixed", "scan"):
+        t = trace(profile)
+        lru = replay_pool(t, "lru", 0.01)
+        flat = replay_pool(t, "workload_adaptive", 0.01, adaptive(0.0))
+        assert (flat.token_hit_ratio, flat.evictions) == (lru.token_hit_ratio, lru.evictions)
+
+
+def test_pages_prompts_keep_containing_outlive_one_off_pages():
+    """A hot prefix seen in many prompts survives a stream of one-off prompts that LRU lets flush it."""
+    def run(policy: str, spec: KVCachePolicySpec | None) -> int:
+        pool = PagePool(40, spec or KVCachePolicySpec.model_validate({"eviction": {"policy": policy}}),
+                        clock=lambda: 0.0)
+        hot = list(range(10))
+        hits = 0
+        for i in range(200):
+            now = float(i)
+            ids = hot if i % 4 == 0 else [1000 + 10 * i + j for j in range(10)]  # 30 one-off pages between
+            hits += pool.admit(f"r{i}", block_hashes=ids, num_tokens=16 * len(ids), now=now).num_cached_tokens
+            pool.commit(f"r{i}", 16 * len(ids), now=now)
+            pool.release(f"r{i}", now=now)
+        pool.check_invariants()
+        return hits
+    assert run("lru", None) == 0  # 30 one-off pages flush the 10 hot ones every time
+    assert run("workload_adaptive", adaptive(0.1)) >= 40 * 160  # nearly every hot prompt hits whole
+
+
+def test_a_prefix_never_goes_before_its_continuation():
+    """With a strong credit the victim is always a leaf: no eviction has to take cached descendants along."""
+    pool = PagePool(60, adaptive(1.0), clock=lambda: 0.0)
+    cascades = 0
+    evict_descendants = pool._evict_descendants
+
+    def counted(page: int) -> list[int]:
+        nonlocal cascades
+        cascades += 1
+        return evict_descendants(page)
+
+    pool._evict_descendants = counted
+    rng = random.Random(3)
+    for i in range(600):
+        base = rng.randrange(6)
+        ids = [base * 100 + j for j in range(rng.randrange(1, 6))]  # shared prefixes of varying depth
+        ids += [10_000 + i * 10 + j for j in range(rng.randrange(0, 6))]  # a private tail
+        pool.admit(f"r{i}", block_hashes=ids, num_tokens=16 * len(ids), now=float(i))
+        pool.commit(f"r{i}", 16 * len(ids), now=float(i))
+        pool.release(f"r{i}", now=float(i))
+    pool.check_invariants()
+    assert pool.evictions > 1000 and cascades == 0
+
+
+def test_the_sketch_counts_prompts_keeps_counts_past_eviction_and_stays_bounded():
+    sketch = FrequencySketch(1000)
+    assert sketch.nbytes <= 2 * 2 * 32 * 1000  # two rows of at most 64 bytes per page
+    before, _ = sketch.add(["a", "b"])
+    assert before == [0, 0]
+    for _ in range(COUNT_CAP + 3):
+        sketch.add(["a"])
+    assert sketch.count("a") == COUNT_CAP and sketch.count("b") == 1
+    # Fill it to its halving point with keys seen once: few fresh keys then look seen.
+    sketch.add([("fill", i) for i in range(16_000 - sketch._added - 1)])
+    false = sum(sketch.count(("fresh", i)) > 0 for i in range(2000))
+    assert false < 2000 * 0.2  # two rows at most 40 % full: about 15 %
+    counts = [sketch.count(k) for k in ("a", "b", ("fill", 7))]
+    sketch.add(["c"])  # the period's last increment: every count halves
+    assert sketch.halvings == 1 and sketch.count("a") == COUNT_CAP // 2
+    assert [sketch.count(k) for k in ("a", "b", ("fill", 7))] == [c // 2 for c in counts]
+
+
+def test_the_reuse_curve_is_learned_from_counts_and_never_falls():
+    """1,000 keys are seen three times and 4,000 once: a key seen once comes back one time in five,
+    one seen twice always; past that nothing comes back, and the curve stays at its high."""
+    curve = ReuseByCount()
+    sketch = FrequencySketch(10_000)
+    stream = [("thrice", i % 1000) for i in range(3000)] + [("once", i) for i in range(4000)]
+    random.Random(0).shuffle(stream)
+    for key in stream:
+        before, _ = sketch.add([key])
+        curve.observe(before, sketch.halvings)
+    curve.refit()
+    assert 0.15 < curve.p[1] < 0.3 and curve.p[2] > 0.9
+    assert all(a <= b for a, b in zip(curve.p[1:], curve.p[2:], strict=False))
+
+
+def test_the_tuner_follows_the_candidate_that_hits_more_and_holds_on_a_tie():
+    settings = SidecarConfig().eviction.selfTuning.model_copy(update={"reuseWeights": [0.0, 0.1]})
+    tuner = SelfTuner(pages=400, gamma=0.1, settings=settings)
+    assert tuner.sample_one_in == 1 and tuner.weight == 0.0
+    p = ReuseByCount().p
+    sketch = FrequencySketch(400)
+    hot = [("hot", j) for j in range(100)]
+    for i in range(3000):  # a hot prompt between one-off ones: LRU lets 450 pages flush it, the credit keeps it
+        keys = hot if i % 4 == 0 else [("once", i, j) for j in range(150)]
+        before, _ = sketch.add(keys)
+        tuner.observe(keys, before, list(range(len(keys))), p, 600.0, float(i))
+    assert tuner.weight == 0.1 and tuner.switches == 1
+    ratios = tuner.hit_ratios()
+    assert ratios[0.1] > ratios[0.0] + 0.1
+    tie = SelfTuner(pages=400, gamma=0.1, settings=settings)
+    for i in range(3000):  # nothing is ever reused: every candidate hits nothing, the choice holds
+        keys = [("only", i, j) for j in range(20)]
+        before, _ = sketch.add(keys)
+        tie.observe(keys, before, list(range(len(keys))), p, 600.0, float(i))
+    assert tie.weight == 0.0 and tie.switches == 0
+
+
+@pytest.mark.parametrize(("profile", "capacity"), [("to-c", 0.02), ("scan", 0.0025), ("to-b-burst", 0.01)])
+def test_self_tuned_never_loses_to_lru_on_what_it_was_not_built_for(profile, capacity):
+    """The rule of issue 19 on three small traces (bench/policy_matrix.py runs the whole matrix)."""
+    t = trace(profile, 6000, seed=2)
+    lru = replay_pool(t, "lru", capacity)
+    tuned = replay_pool(t, "workload_adaptive", capacity, adaptive())
+    assert tuned.token_hit_ratio >= lru.token_hit_ratio - 0.002
+
+
+def test_the_queues_decide_as_the_exact_rule_does():
+    """Decision quality: the live policy's queues against the shadow's exact heap of the same key
+    (same weight, same curve, every page sampled) on one trace: within 0.95 of each other."""
+    t = trace("to-c", 4000)
+    pages = int(t.distinct_blocks * 0.02)
+    live = replay_pool(t, "workload_adaptive", 0.02, adaptive(0.1))
+    shadow = ShadowCache(pages, 0.1)
+    sketch = FrequencySketch(pages)
+    curve = ReuseByCount()  # learns as the pool's did, from the same counts
+    hit = looked = 0
+    for req in t.requests:
+        keys = req.hash_ids[: req.input_length // t.block_size]
+        before, _ = sketch.add(keys)
+        curve.observe(before, sketch.halvings)
+        counts = [min(c + 1, COUNT_CAP) for c in before]
+        hit += shadow.access(keys, range(len(keys)), counts, curve.p, 600.0 / 0.1, req.timestamp)
+        looked += len(req.hash_ids)
+    exact = hit / looked
+    assert min(exact, live.block_hit_ratio) >= 0.95 * max(exact, live.block_hit_ratio)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"reuseWeights": [0.1, 0.1]}, "eviction.selfTuning.reuseWeights"),
+    ({"reuseWeights": [2.0]}, "eviction.selfTuning.reuseWeights.0"),
+    ({"reuseWeights": []}, "eviction.selfTuning.reuseWeights"),
+    ({"sampleOneIn": 3}, "eviction.selfTuning.sampleOneIn"),
+    ({"horizonRequests": 10}, "eviction.selfTuning.horizonRequests"),
+])
+def test_bad_self_tuning_settings_name_the_field(change, field):
+    with pytest.raises(ConfigError) as err:
+        validate_config({"eviction": {"policy": "workload_adaptive", "selfTuning": change}})
+    assert field in str(err.value)
+
+
+def test_operators_see_the_weight_the_shadows_and_the_switches():
+    config = SidecarConfig.model_validate({"pageSize": 4, "eviction": {"policy": "workload_adaptive"}})
+    with live_sidecar(config, pages=64) as (url, sidecar):
+        for i in range(40):
+            ids = list(range(8)) if i % 2 else [100 + 8 * i + j for j in range(8)]
+            sidecar.pool.admit(f"r{i}", block_hashes=ids, now=float(i))
+            sidecar.pool.release(f"r{i}", now=float(i))
+        scrape = httpx.get(url + "/metrics").text
+        stats = httpx.get(url + "/v1/stats").json()
+    assert 'kvpool_tuning_reuse_weight{partition="toC"} 0.0' in scrape
+    assert 'kvpool_tuning_shadow_hit_ratio{partition="toC",reuse_weight="0.3"}' in scrape
+    assert 'kvpool_tuning_switches_total{partition="toC"} 0.0' in scrape
+    tuning = stats["tuning"]["toC"]
+    assert tuning["self_tuned"] and tuning["reuse_weight"] == 0.0 and set(tuning["shadow_hit_ratios"]) >= {"0", "1"}
