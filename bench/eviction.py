@@ -98,7 +98,9 @@ def main() -> None:
     parser.add_argument("--evictions", type=int, default=20_000, help="0: fill the pool only")
     parser.add_argument("--policy", action="append", choices=sorted(POLICIES))
     args = parser.parse_args()
-    policies = args.policy or ["lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact"]
+    policies = args.policy or [
+        "lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact", "workload_adaptive"
+    ]
     print(f"{'policy':<22}{'median us':>10}{'p99 us':>10}{'mean us':>10}   ({args.pages} pages)")
     for name in policies:
         pool, now, step = filled_pool(name, args.pages)

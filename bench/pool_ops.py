@@ -1,4 +1,4 @@
-"""Page operations per second and Python memory per cached page of the pool (LRU).
+"""Page operations per second and Python memory per cached page of the pool (LRU, and the default policy).
 
     .venv/bin/python bench/pool_ops.py [--trace ../shared/traces/mooncake_conversation.jsonl]
 
@@ -27,11 +27,11 @@ TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_co
 BLOCK = 512
 
 
-def lru_spec(page_size: int) -> KVCachePolicySpec:
+def lru_spec(page_size: int, policy: str = "lru") -> KVCachePolicySpec:
     return KVCachePolicySpec.model_validate(
         {
             "pageSize": page_size,
-            "eviction": {"policy": "lru"},
+            "eviction": {"policy": policy},
             "workloads": {"toB": {"isolationPercent": 0}},
             "pinning": {"quotaPercent": 0, "autoPin": {"enabled": False}},
         }
@@ -63,11 +63,13 @@ def replay_ops(requests: list[tuple[list[int], int]], pages: int) -> tuple[int, 
     return ops, elapsed, hit_tokens / total_tokens
 
 
-def bytes_per_cached_page(pages: int = 1_000_000, chain: int = 100) -> float:
+def bytes_per_cached_page(pages: int = 1_000_000, chain: int = 100, policy: str = "lru") -> float:
+    """Everything the pool holds for ``pages`` cached pages of distinct keys: with the self-tuned policy
+    that includes its frequency sketch and its shadows, which the distinct keys fill to their caps."""
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    pool = PagePool(pages, lru_spec(16), clock=lambda: 0.0)
+    pool = PagePool(pages, lru_spec(16, policy), clock=lambda: 0.0)
     for s in range(pages // chain):
         ids = list(range(s * chain, (s + 1) * chain))
         pool.admit("s", block_hashes=ids, now=0.0)
@@ -112,8 +114,9 @@ def main() -> None:
         )
     if args.memory_pages < 1:
         return
-    per_page = bytes_per_cached_page(args.memory_pages)
-    print(f"memory: {per_page:.0f} bytes per cached page ({args.memory_pages} cached pages, tracemalloc)")
+    for policy in ("lru", KVCachePolicySpec().eviction.policy):
+        per_page = bytes_per_cached_page(args.memory_pages, policy=policy)
+        print(f"memory, {policy}: {per_page:.0f} bytes per cached page ({args.memory_pages} cached pages, tracemalloc)")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, load_config
 from kvpool_sidecar.policies import POLICIES
 from kvpool_sidecar.replay import REFERENCE_POLICIES, TraceError, read_trace, report, run_matrix, synth, tune
 from kvpool_sidecar.replay.cluster import run_cluster_matrix
+from kvpool_sidecar.replay.trace import Trace
 from kvpool_sidecar.routing import ROUTING_MODES
 
 EXIT_USAGE = 2
@@ -150,6 +151,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def cmd_tune(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace)
     spec = _spec(args.config)
+    if (args.policy or spec.eviction.policy) == "workload_adaptive":
+        return _tune_adaptive(trace, args.capacity, spec)
     print(f"{'reuse':>6}{'locality':>9}{'window':>8}{'token hit':>11}")
 
     def show(row: tune.TuneRow) -> None:
@@ -161,6 +164,24 @@ def cmd_tune(args: argparse.Namespace) -> int:
         f"best at capacity {args.capacity}: weights reuse={best.reuse} locality={best.locality} "
         f"timeWindow={best.timeWindow} (token hit ratio {best.token_hit_ratio:.4f})"
     )
+    return 0
+
+
+def _tune_adaptive(trace: Trace, capacity: float, spec: KVCachePolicySpec) -> int:
+    """Each candidate reuse weight held fixed, then what the self-tuner chose on the same replay."""
+    print(f"{'reuse weight (fixed)':>20}{'token hit':>11}")
+    rows = tune.fixed_weights(trace, capacity, spec, on_row=lambda r: print(
+        f"{r.reuse:>20g}{r.token_hit_ratio:>11.4f}", flush=True))
+    best = rows[0]
+    report = tune.self_tuned(trace, capacity, spec)
+    print(f"best fixed at capacity {capacity}: reuse={best.reuse:g} (token hit ratio {best.token_hit_ratio:.4f})")
+    for part, weight in report.final.items():
+        spent = ", ".join(f"{w:g}: {share:.0%}" for w, share in report.time_at.get(part, {}).items())
+        print(f"self-tuning ({part}): ended on reuse={weight:g} after {report.switches[part]} switches; "
+              f"weights in force by share of requests: {spent}")
+    gap = report.token_hit_ratio - best.token_hit_ratio
+    print(f"self-tuned token hit ratio {report.token_hit_ratio:.4f} ({gap:+.4f} against the best fixed weight, "
+          "which needs the whole trace in advance)")
     return 0
 
 
@@ -268,8 +289,10 @@ def _add_plan(sub: Any) -> None:
 
 
 def _add_tune(sub: Any) -> None:
-    tun = sub.add_parser("tune", help="grid-search the workload-aware weights on a trace")
+    tun = sub.add_parser("tune", help="offline tuning: the weights' grid, or self-tuning's candidates and choice")
     tun.add_argument("trace")
+    tun.add_argument("--policy", choices=("workload_aware", "workload_adaptive"),
+                     help="the policy to tune (default: the config's)")
     tun.add_argument("--capacity", type=_capacity, default=0.05)
     tun.add_argument("--config", help="base sidecar config / policy spec YAML")
     tun.set_defaults(func=cmd_tune)

@@ -159,7 +159,7 @@ def test_the_queues_decide_as_the_exact_rule_does():
         before, _ = sketch.add(keys)
         curve.observe(before, sketch.halvings)
         counts = [min(c + 1, COUNT_CAP) for c in before]
-        hit += shadow.access(keys, range(len(keys)), counts, curve.p, 600.0 / 0.1, req.timestamp)
+        hit += shadow.access(keys, counts, curve.p, 600.0 / 0.1, req.timestamp)
         looked += len(req.hash_ids)
     exact = hit / looked
     assert min(exact, live.block_hit_ratio) >= 0.95 * max(exact, live.block_hit_ratio)

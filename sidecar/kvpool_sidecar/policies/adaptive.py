@@ -24,6 +24,7 @@ With a locality weight (self-tuning off) the page's locality level joins its que
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Hashable, Sequence
 from heapq import heapify, heappop, heappush, heapreplace
@@ -152,24 +153,41 @@ class WorkloadAdaptivePolicy(PolicyBase):
             level = locality_level(depths[i], length) if by_level else 0
             qids.append(base + level * _LEVELS + count)
         qids.reverse()
-        for page, qid in zip(pages, qids, strict=True):
-            self._link(page, qid, now)
+        self._link_runs(pages, qids, now)
         self._len += len(pages)
 
-    def _link(self, page: int, qid: int, now: float) -> None:
-        tail = self._tail.get(qid)
-        self._serial += 1
-        self._qid[page] = qid
-        self._released[page] = now
-        self._stamp[page] = self._serial
-        self._next[page] = NO_PAGE
-        self._prev[page] = NO_PAGE if tail is None else tail
-        if tail is None:
-            self._head[qid] = page
-            heappush(self._heap, (now + self._credit[qid], self._serial, qid))
-        else:
-            self._next[tail] = page
-        self._tail[qid] = page
+    # hot loop: every released page is linked here (runs of one queue at a time, a call per run)
+    def _link_runs(self, pages: list[int], qids: list[int], now: float) -> None:
+        """Append ``pages`` to their queues, in order (a released chain's queue ids come in runs)."""
+        head, tail, nxt, prev = self._head, self._tail, self._next, self._prev
+        qid_of, released, stamp = self._qid, self._released, self._stamp
+        serial = self._serial
+        n = len(pages)
+        i = 0
+        while i < n:
+            qid = qids[i]
+            end = i + 1
+            while end < n and qids[end] == qid:
+                end += 1
+            last = tail.get(qid, NO_PAGE)
+            first = pages[i]
+            for k in range(i, end):
+                page = pages[k]
+                serial += 1
+                qid_of[page] = qid
+                released[page] = now
+                stamp[page] = serial
+                prev[page] = last
+                if last != NO_PAGE:
+                    nxt[last] = page
+                last = page
+            nxt[last] = NO_PAGE
+            tail[qid] = last
+            if qid not in head:
+                head[qid] = first
+                heappush(self._heap, (now + self._credit[qid], stamp[first], qid))
+            i = end
+        self._serial = serial
 
     def take(self, page: int, now: float, hit: bool) -> None:
         qid = self._qid[page]
@@ -218,30 +236,43 @@ class WorkloadAdaptivePolicy(PolicyBase):
 
     # hot loop: one pass names an admission's victims (a call per page would show)
     def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:
-        """The ``count`` lowest pages, stopping right after one with a cached child not named."""
+        """The ``count`` lowest pages, stopping right after one with a cached child not named.
+
+        Takes a run from the lowest queue while its pages stay below every other queue's head (the
+        heap's second entry bounds them), so the heap is touched once per run, not per page.
+        """
         first_child = links[0]
         heap, head, tail = self._heap, self._head, self._tail
         nxt, prev, qid_of = self._next, self._prev, self._qid
         released, stamp, credit = self._released, self._stamp, self._credit
         named: list[int] = []
-        while len(named) < count:
+        stop = False
+        while len(named) < count and not stop:
             _, top_stamp, qid = heap[0]
             page = head.get(qid, NO_PAGE)
             if page == NO_PAGE or stamp[page] != top_stamp:
                 heappop(heap)
                 continue
-            after = nxt[page]
+            size = len(heap)
+            limit = math.inf if size < 2 else heap[1][0] if size < 3 else min(heap[1][0], heap[2][0])
+            gain = credit[qid]
+            while True:
+                after = nxt[page]
+                qid_of[page] = -1
+                named.append(page)
+                if first_child[page] != NO_PAGE and has_unnamed_child(page, links, set(named)):
+                    stop = True
+                    break
+                if after == NO_PAGE or len(named) >= count or released[after] + gain >= limit:
+                    break
+                page = after
             if after == NO_PAGE:
                 del head[qid], tail[qid]
                 heappop(heap)
             else:
                 head[qid] = after
                 prev[after] = NO_PAGE
-                heapreplace(heap, (released[after] + credit[qid], stamp[after], qid))
-            qid_of[page] = -1
-            named.append(page)
-            if first_child[page] != NO_PAGE and has_unnamed_child(page, links, set(named)):
-                break
+                heapreplace(heap, (released[after] + gain, stamp[after], qid))
         self._len -= len(named)
         return named
 

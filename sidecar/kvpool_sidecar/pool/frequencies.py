@@ -71,12 +71,12 @@ class PageFrequencies:
         return {PARTITIONS[i]: t for i, t in enumerate(self._tuners) if t is not None}
 
     def tuning(self) -> dict[str, dict]:
-        """Per partition whose policy ranks by counts: the reuse weight in force, whether the tuner
+        """Per partition (with pages) whose policy ranks by counts: the reuse weight in force, whether the tuner
         chose it, the switches so far and each candidate's recent shadow hit ratio."""
         out: dict[str, dict] = {}
         for part, policy in enumerate(self._policies):
-            if not policy.uses_frequency:
-                continue
+            if not policy.uses_frequency or not self._caps[part]:
+                continue  # a partition with no pages ranks nothing
             tuner = self._tuners[part]
             out[PARTITIONS[part]] = {
                 "reuse_weight": policy.weights[0],

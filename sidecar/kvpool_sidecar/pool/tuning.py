@@ -31,21 +31,21 @@ _WARMUP_SAMPLES = 64  # sampled requests before the first decision
 
 class ShadowCache:
     """Keys of sampled pages only, ranked by ``released + scale * P(count)`` capped by the key of the
-    sampled page above (prefix-closed), deeper pages first on ties; lazily deleted heap entries are
-    compacted at twice the live keys."""
+    sampled page above (prefix-closed), the later touched (a prompt's deeper page) first on ties;
+    lazily deleted heap entries are compacted at twice the live keys."""
 
     def __init__(self, capacity: int, weight: float) -> None:
         self.capacity = max(capacity, 1)
         self.weight = weight
-        self._serial: dict[Hashable, int] = {}  # cached key -> the serial of its live heap entry
-        self._heap: list[tuple[float, int, int, Hashable]] = []  # (key rank, -depth, serial, key)
+        self._serial: dict[Hashable, int] = {}  # cached key -> the (negated) serial of its live heap entry
+        self._heap: list[tuple[float, int, Hashable]] = []  # (key rank, -serial, key)
         self._next = 0
         self.score = 0.0  # decayed sampled pages hit
 
     # hot loop: every sampled page, once per candidate
-    def access(self, keys: Sequence[Hashable], depths: Sequence[int], counts: Sequence[int],
-               p: Sequence[float], scale: float, now: float) -> int:
-        """The prompt's sampled pages (``keys`` at ``depths``, with their counts): how many lead the
+    def access(self, keys: Sequence[Hashable], counts: Sequence[int], p: Sequence[float], scale: float,
+               now: float) -> int:
+        """The prompt's sampled pages (``keys`` in prompt order, with their counts): how many lead the
         prompt cached (each stands for the unsampled pages around it), then all touched at ``now``."""
         serial_of = self._serial
         hits = 0
@@ -57,23 +57,23 @@ class ShadowCache:
         serial = self._next
         credit = scale * self.weight
         cap = math.inf
-        for key, depth, count in zip(keys, depths, counts, strict=True):
+        for key, count in zip(keys, counts, strict=True):
             rank = now + credit * p[count]
             if rank > cap:
                 rank = cap
             cap = rank
-            serial += 1
+            serial -= 1
             serial_of[key] = serial
-            heappush(heap, (rank, -depth, serial, key))
+            heappush(heap, (rank, serial, key))
         self._next = serial
         over = len(serial_of) - self.capacity
         while over > 0:
-            _, _, serial, key = heappop(heap)
+            _, serial, key = heappop(heap)
             if serial_of.get(key) == serial:
                 del serial_of[key]
                 over -= 1
         if len(heap) > 2 * len(serial_of) + 64:
-            self._heap = [e for e in heap if serial_of.get(e[3]) == e[2]]
+            self._heap = [e for e in heap if serial_of.get(e[2]) == e[1]]
             heapify(self._heap)
         return hits
 
@@ -123,7 +123,7 @@ class SelfTuner:
         scale = credit_scale(1.0, window, self.gamma)
         self.pages = self.pages * decay + len(sampled)
         for shadow in self.shadows:
-            hit = shadow.access(sample_keys, sampled, counts, p, scale, now)
+            hit = shadow.access(sample_keys, counts, p, scale, now)
             shadow.score = shadow.score * decay + hit
         self.sampled += 1
         self._since += 1
