@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--trace", action="append", help="only these (file names or profile:seed)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", help="write the cells here")
+    parser.add_argument("--verbose", action="store_true", help="each cell to stderr as it comes")
     args = parser.parse_args()
     policies = args.policy or ["workload_adaptive"]
     capacities = args.capacity or list(CAPACITIES)
@@ -63,6 +64,9 @@ def main() -> None:
         for name, policy, capacity, ratio, took in pool.map(cell, work):
             ratios[name, policy, capacity] = ratio
             seconds[policy] = seconds.get(policy, 0.0) + took
+            if policy != "lru" and args.verbose:
+                gain = ratio - ratios[name, "lru", capacity]
+                print(f"  {name} {capacity:.4f} {policy}: {ratio:.4f} ({gain:+.4f})", file=sys.stderr, flush=True)
     caps = "".join(f"{c * 100:>9.2f}%" for c in capacities)
     failed = 0
     for policy in policies:

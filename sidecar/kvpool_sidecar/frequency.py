@@ -68,15 +68,16 @@ class FrequencySketch:
     def nbytes(self) -> int:
         return 2 * (self._mask + 1)
 
-    def add(self, keys: Sequence[Hashable], sample_shift: int = 0) -> tuple[list[int], list[int]]:
+    def add(self, keys: Sequence[Hashable], sample_shift: int | None = None) -> tuple[list[int], list[int]]:
         """Count one more request containing each of ``keys``; returns their counts before it and
         the indexes of the keys in the spatial sample of one key in ``2**sample_shift`` (by hash;
-        none when 0), which the self-tuner's shadows follow."""
+        none when None), which the self-tuner's shadows follow."""
         first, second = self._rows
         mask = self._mask
         before: list[int] = []
         sampled: list[int] = []
-        drop = 64 - sample_shift  # the sample reads the hash's top bits, the cells its lower ones
+        sampling = sample_shift is not None
+        drop = 64 - (sample_shift or 0)  # the sample reads the hash's top bits, the cells its lower ones
         for depth, key in enumerate(keys):
             h = (hash(key) * _MIX) & _MASK64  # mixed_hash, inlined: this runs for every page of a prompt
             h = ((h ^ (h >> 31)) * _MIX2) & _MASK64
@@ -90,7 +91,7 @@ class FrequencySketch:
                     first[i] = count
                 if b < count:
                     second[j] = count
-            if sample_shift and not h >> drop:
+            if sampling and not h >> drop:
                 sampled.append(depth)
         self._added += len(keys)
         if self._added >= self._period:

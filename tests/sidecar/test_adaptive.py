@@ -191,4 +191,20 @@ def test_operators_see_the_weight_the_shadows_and_the_switches():
     assert 'kvpool_tuning_shadow_hit_ratio{partition="toC",reuse_weight="0.3"}' in scrape
     assert 'kvpool_tuning_switches_total{partition="toC"} 0.0' in scrape
     tuning = stats["tuning"]["toC"]
-    assert tuning["self_tuned"] and tuning["reuse_weight"] == 0.0 and set(tuning["shadow_hit_ratios"]) >= {"0", "1"}
+    assert tuning["self_tuned"] and tuning["reuse_weight"] == 0.0
+    assert set(tuning["shadow_hit_ratios"]) == {"0", "0.003", "0.01", "0.03", "0.1", "0.3"}
+
+
+def test_tune_reports_each_candidate_and_what_self_tuning_chose(tmp_path, capsys):
+    from kvpool_sidecar.cli import main
+
+    path = tmp_path / "scan.jsonl"
+    path.write_text("\n".join(generate("scan", 1500, 1)) + "\n")
+    config = tmp_path / "c.yaml"
+    config.write_text("eviction:\n  policy: workload_adaptive\n  selfTuning:\n    reuseWeights: [0, 0.03]\n")
+    assert main(["tune", str(path), "--capacity", "0.0025", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    fixed = {float(line.split()[0]): float(line.split()[1]) for line in out.splitlines()[1:3]}
+    assert set(fixed) == {0.0, 0.03} and fixed[0.03] > fixed[0.0]  # a scan: the credit keeps the hot set
+    assert "self-tuning (toC): ended on reuse=0.03 after 1 switches" in out
+    assert "toB" not in out  # a single-class trace has no to-B partition to tune

@@ -246,6 +246,7 @@ class WorkloadAdaptivePolicy(PolicyBase):
         nxt, prev, qid_of = self._next, self._prev, self._qid
         released, stamp, credit = self._released, self._stamp, self._credit
         named: list[int] = []
+        seen: set[int] = set()  # named, for the stop rule (a parent often follows its child in a call)
         stop = False
         while len(named) < count and not stop:
             _, top_stamp, qid = heap[0]
@@ -260,7 +261,8 @@ class WorkloadAdaptivePolicy(PolicyBase):
                 after = nxt[page]
                 qid_of[page] = -1
                 named.append(page)
-                if first_child[page] != NO_PAGE and has_unnamed_child(page, links, set(named)):
+                seen.add(page)
+                if first_child[page] != NO_PAGE and has_unnamed_child(page, links, seen):
                     stop = True
                     break
                 if after == NO_PAGE or len(named) >= count or released[after] + gain >= limit:

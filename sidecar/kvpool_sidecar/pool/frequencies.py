@@ -54,7 +54,7 @@ class PageFrequencies:
         """One admitted prompt: its pages counted, its partition's curve and tuner fed."""
         sketch = self._sketch
         tuner = self._tuners[part]
-        before, sampled = sketch.add(keys, tuner.sample_shift if tuner is not None else 0)
+        before, sampled = sketch.add(keys, tuner.sample_shift if tuner is not None else None)
         page_counts = self._page_counts
         for page, count in zip(pages, before, strict=False):  # the keys of its full pages lead
             page_counts[page] = count + 1 if count < COUNT_CAP else count

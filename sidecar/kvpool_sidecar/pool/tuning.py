@@ -24,9 +24,10 @@ from kvpool_sidecar.config import SelfTuning
 from kvpool_sidecar.frequency import COUNT_CAP
 from kvpool_sidecar.policies import credit_scale
 
-MIN_SHADOW_PAGES = 256  # below this a sampled shadow is too small to rank: sample fewer prompts
+MIN_SHADOW_PAGES = 512  # below this a sampled shadow is too small to rank: sample fewer prompts
 _DECIDE_EVERY = 16  # sampled requests between two decisions
 _WARMUP_SAMPLES = 64  # sampled requests before the first decision
+PERSISTENCE = 4  # decisions in a row a challenger must lead by the margin before it is adopted
 
 
 class ShadowCache:
@@ -96,6 +97,8 @@ class SelfTuner:
         self._horizon = float(settings.horizonRequests)
         self._margin = 1.0 + settings.marginPercent / 100.0
         self._since = 0
+        self._leader: ShadowCache | None = None  # the challenger leading by the margin, and for how long
+        self._lead = 0
         self._requests = 0  # requests seen since the last sampled one (for the decay)
         self.sampled = 0
         self.pages = 0.0  # decayed sampled pages looked up
@@ -131,8 +134,13 @@ class SelfTuner:
             return False
         self._since = 0
         best = max(self.shadows, key=lambda s: s.score)  # the smallest weight among equals
-        if best is not self.current and best.score > self.current.score * self._margin:
-            self.current = best
-            self.switches += 1
-            return True
-        return False
+        if best is self.current or best.score <= self.current.score * self._margin:
+            self._leader, self._lead = None, 0
+            return False
+        self._lead = self._lead + 1 if best is self._leader else 1
+        self._leader = best
+        if self._lead < PERSISTENCE:
+            return False
+        self.current, self._leader, self._lead = best, None, 0
+        self.switches += 1
+        return True
