@@ -185,7 +185,7 @@ class SelfTuning(_Model):
 
 
 class Eviction(_Model):
-    policy: EvictionPolicyName = "workload_aware"
+    policy: EvictionPolicyName = "workload_adaptive"
     weights: Weights = Field(default_factory=Weights)
     selfTuning: SelfTuning = Field(default_factory=SelfTuning)
     protectedPercent: float = Field(

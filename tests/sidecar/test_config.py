@@ -54,7 +54,11 @@ def test_issue_example_policy_loads_and_equals_defaults():
     meta, spec = load_policy(ISSUE_EXAMPLE)
     assert meta["name"] == "chat"
     assert spec.selector.matchLabels == {"app": "qwen-chat"}
-    assert spec_hash(spec) == spec_hash(KVCachePolicySpec(selector={"matchLabels": {"app": "qwen-chat"}}))
+    # The defaults but the policy: the self-tuned one became the default (issue 19), the example names
+    # the one it was written for.
+    assert spec_hash(spec) == spec_hash(KVCachePolicySpec(selector={"matchLabels": {"app": "qwen-chat"}},
+                                                          eviction={"policy": "workload_aware"}))
+    assert KVCachePolicySpec().eviction.policy == "workload_adaptive"
 
 
 @pytest.mark.parametrize("text", ["", "{}\n", "# only a comment\n"])
