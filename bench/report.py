@@ -1,6 +1,6 @@
 """Regenerate docs/benchmarks.md: every current figure, each under the command that printed it.
 
-    .venv/bin/python bench/report.py          # the quick set (about 15 minutes on 2 cores)
+    .venv/bin/python bench/report.py          # the quick set (about 30 minutes on 2 cores)
     .venv/bin/python bench/report.py --all    # also the real engine and authentication's cost (+15 min)
     make bench-report
 
@@ -66,7 +66,7 @@ def sections(synth_dir: str) -> list[Section]:
                 "Token hit ratio of the self-tuned policy minus LRU's, per trace and capacity (LRU's own in "
                 "brackets), the shipped traces and 4,000-request synth traces of each profile, seeds 1-4; "
                 "the rule (issue 19) is never more than 0.002 below.",
-                ["python", "bench/policy_matrix.py", "--requests", "4000"], slow=True),
+                ["python", "bench/policy_matrix.py", "--requests", "4000"]),
         Section("Replay time, default policy against LRU", "The conversation trace replayed by each, in "
                 "alternation; medians and their ratio.", ["python", "bench/replay_time.py"]),
         Section("Pool operations", "Page ops per second of the LRU pool replaying the conversation trace, and "

@@ -169,7 +169,8 @@ class SelfTuning(_Model):
         description="candidate alphas (0 is plain LRU); the tuner starts at the smallest",
     )
     sampleOneIn: Literal[1, 2, 4, 8, 16, 32] = Field(
-        default=8, description="the shadows follow one page key in this many (by hash), at that share of pages"
+        default=32,
+        description="at most: the shadows follow one page key in this many (by hash), at that share of pages"
     )
     horizonRequests: int = Field(default=1000, ge=50, le=1_000_000, description="requests a shadow's hits decay over")
     marginPercent: float = Field(
