@@ -208,3 +208,23 @@ def test_tune_reports_each_candidate_and_what_self_tuning_chose(tmp_path, capsys
     assert set(fixed) == {0.0, 0.03} and fixed[0.03] > fixed[0.0]  # a scan: the credit keeps the hot set
     assert "self-tuning (toC): ended on reuse=0.03 after 1 switches" in out
     assert "toB" not in out  # a single-class trace has no to-B partition to tune
+
+
+def test_a_reload_turns_the_tuner_off_and_on_and_keeps_every_page():
+    spec = adaptive()
+    pool = PagePool(64, spec, clock=lambda: 0.0)
+    for i in range(30):
+        ids = [i % 5] + [100 + 8 * i + j for j in range(3)]
+        pool.admit(f"r{i}", block_hashes=ids, num_tokens=64, now=float(i))
+        pool.release(f"r{i}", now=float(i))
+    cached = pool.stats().cached_pages
+    (policy,) = [p for p in pool.policies if p.uses_frequency][:1]
+    assert pool.tuning()["toC"]["self_tuned"] and policy.weights == (0.0, 0.0)
+    pool.reconfigure(adaptive(0.1))  # an operator's fixed weight
+    assert not pool.tuning()["toC"]["self_tuned"] and policy.weights == (0.1, 0.0)
+    restricted = adaptive(reuseWeights=[0.01, 0.1])
+    pool.reconfigure(restricted)  # back on, with only two candidates: it starts at the smaller
+    assert pool.tuning()["toC"]["self_tuned"] and policy.weights == (0.01, 0.0)
+    assert set(pool.tuning()["toC"]["shadow_hit_ratios"]) == {0.01, 0.1}
+    assert pool.stats().cached_pages == cached
+    pool.check_invariants()
