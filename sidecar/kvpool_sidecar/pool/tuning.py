@@ -24,7 +24,7 @@ from kvpool_sidecar.config import SelfTuning
 from kvpool_sidecar.frequency import COUNT_CAP
 from kvpool_sidecar.policies import credit_scale
 
-MIN_SHADOW_PAGES = 1024  # below this a sampled shadow is too small to rank: sample fewer prompts
+MIN_SHADOW_PAGES = 2048  # below this a sampled shadow ranks the candidates badly: sample more keys
 _DECIDE_EVERY = 16  # sampled requests between two decisions
 _WARMUP_SAMPLES = 64  # sampled requests before the first decision
 PERSISTENCE = 4  # decisions in a row a challenger must lead by the margin before it is adopted
