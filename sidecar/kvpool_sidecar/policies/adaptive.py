@@ -31,6 +31,7 @@ from heapq import heapify, heappop, heappush, heapreplace
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.frequency import COUNT_CAP, FrequencyView, ReuseByCount
+from kvpool_sidecar.keys import workload_class_of
 from kvpool_sidecar.policies.base import NO_PAGE, PolicyBase, PolicyContext, has_unnamed_child
 from kvpool_sidecar.policies.scoring import LOCALITY_LEVELS, locality_level
 
@@ -67,7 +68,7 @@ class WorkloadAdaptivePolicy(PolicyBase):
         self._tail: dict[int, int] = {}
         self._heap: list[tuple[float, int, int]] = []  # (key of a queue's head, its stamp, queue id)
         self._len = 0
-        self._windows: list[float] = []  # the class windows seen, by slot
+        self._slot_classes: dict[str, Hashable] = {}  # workload class -> a class of it, in slot order
         self._window_slot: dict[Hashable, int] = {}
         self._credit: list[float] = []  # per queue id: its credit in seconds (filled by _rerank)
         self._curve_p: list[float] = []  # the curve the credits were computed with
@@ -98,7 +99,8 @@ class WorkloadAdaptivePolicy(PolicyBase):
         p = self._view.curve.p
         self._curve_p = p
         credit: list[float] = []
-        for window in self._windows:
+        for klass in self._slot_classes.values():
+            window = self._model.window_of(klass)
             reuse = credit_scale(alpha, window, self.gamma)
             per_level = credit_scale(beta, window, self.gamma) / LOCALITY_LEVELS
             for level in range(LOCALITY_LEVELS + 1):
@@ -109,14 +111,15 @@ class WorkloadAdaptivePolicy(PolicyBase):
         heapify(self._heap)
 
     def _slot(self, klass: Hashable) -> int:
+        """The queue slot of a statistics class: one per workload class, whose window the credits
+        are re-read from at each re-rank (a reloaded window applies to the pages already queued)."""
         slot = self._window_slot.get(klass)
         if slot is None:
-            window = self._model.window_of(klass)
-            if window not in self._windows:
-                self._windows.append(window)
-                self._window_slot[klass] = self._windows.index(window)
+            workload = workload_class_of(klass)
+            if workload not in self._slot_classes:
+                self._slot_classes[workload] = klass
                 self._rerank()
-            slot = self._window_slot[klass] = self._windows.index(window)
+            slot = self._window_slot[klass] = list(self._slot_classes).index(workload)
         return slot
 
     # ---------------------------------------------------------------------------- membership
