@@ -2,23 +2,26 @@
 
 No fixed weight wins everywhere: chat pays back a credit of minutes for pages prompts keep
 containing, API bursts want seconds, a scan of one-shot documents wants none (plain LRU). Each
-candidate weight gets a shadow: a cache of keys only (no KV, no pool), fed the prompts whose first
-page falls in a fixed sample (one in ``sampleOneIn`` by hash, so a shared prefix and its
-continuations are sampled together) at the same share of the partition's pages. It ranks pages by
-the live policy's own key (:func:`~kvpool_sidecar.policies.credit_scale`, counts from the same
-sketch), evaluated exactly with a heap. Its hit tokens decay over ``horizonRequests`` requests; the
-live policy moves to the best candidate when that beats the one in force by ``marginPercent``. It
-starts at the smallest weight (LRU by default), so a tuner that has seen little changes nothing.
+candidate weight gets a shadow: a cache of keys only (no KV, no pool), fed a fixed spatial sample
+of each prompt's pages (one page key in ``sampleOneIn`` by hash, so a page and its later reuses are
+sampled together; a first-page sample fails on chat, whose prompts all share their first page) at
+the same share of the partition's pages. It ranks pages by the live policy's own key
+(:func:`~kvpool_sidecar.policies.credit_scale`, counts from the same sketch), exactly. Its hit pages
+decay over ``horizonRequests`` requests; the live policy moves to the best candidate when that beats
+the one in force by ``marginPercent``. It starts at the smallest weight (LRU by default), so a tuner
+that has seen little changes nothing.
 
-Cost: the shadows hold, together, ``candidates / sampleOneIn`` times the partition's keys (one dict
-entry and a heap entry or two each) and do that share of its per-page work. Plain Python, no I/O.
+Cost: the shadows hold, together, ``candidates / sampleOneIn`` times the partition's keys (two dict
+entries each) and do that share of its per-page work. Plain Python, no I/O.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from heapq import heapify, heappop, heappush
+from heapq import heapify, heappop, heappush, heapreplace
+from typing import NamedTuple
 
 from kvpool_sidecar.config import SelfTuning
 from kvpool_sidecar.frequency import COUNT_CAP
@@ -30,56 +33,132 @@ _WARMUP_SAMPLES = 64  # sampled requests before the first decision
 PERSISTENCE = 4  # decisions in a row a challenger must lead by the margin before it is adopted
 
 
+class SampledPrompt(NamedTuple):
+    """One admitted prompt as the shadows see it: its sampled page keys in prompt order, their counts
+    capped by the sampled page above (prefix-closed), its credit scale, its time, and the decay of
+    the scores since the sampled prompt before it."""
+
+    keys: list[Hashable]
+    counts: list[int]
+    scale: float
+    now: float
+    decay: float
+
+
 class ShadowCache:
-    """Keys of sampled pages only, ranked by ``released + scale * P(count)`` capped by the key of the
-    sampled page above (prefix-closed), the later touched (a prompt's deeper page) first on ties;
-    lazily deleted heap entries are compacted at twice the live keys."""
+    """Keys of sampled pages only, ranked by the live policy's key, ``touched + scale * P(count)``.
+
+    As in the live policy, pages of one credit (one scale, one count) sit in one FIFO queue in
+    touch order, a prompt's deeper pages first, and the victim is the lowest of the queues' heads,
+    ranked with the curve in force: a few dict operations per page and no heap (a heap entry per
+    touch cost about a microsecond per sampled page and shadow, most of the tuner's time).
+    """
 
     def __init__(self, capacity: int, weight: float) -> None:
         self.capacity = max(capacity, 1)
         self.weight = weight
-        self._serial: dict[Hashable, int] = {}  # cached key -> the (negated) serial of its live heap entry
-        self._heap: list[tuple[float, int, Hashable]] = []  # (key rank, -serial, key)
-        self._next = 0
+        self._queue_of: dict[Hashable, OrderedDict[Hashable, float]] = {}  # cached key -> its queue
+        self._queues: dict[tuple[float, int], OrderedDict[Hashable, float]] = {}  # (scale, count) -> key -> touched
+        # (a lower bound of a queue's head rank, a serial, the queue, the head it was made for)
+        self._heap: list[tuple[float, int, tuple[float, int], Hashable]] = []
+        self._heap_p: Sequence[float] = ()  # the curve the heap's ranks were computed with
+        self._serial = 0
         self.score = 0.0  # decayed sampled pages hit
 
     # hot loop: every sampled page, once per candidate
-    def access(self, keys: Sequence[Hashable], counts: Sequence[int], p: Sequence[float], scale: float,
-               now: float) -> int:
-        """The prompt's sampled pages (``keys`` in prompt order, with their counts): how many lead the
-        prompt cached (each stands for the unsampled pages around it), then all touched at ``now``."""
-        serial_of = self._serial
-        hits = 0
-        for key in keys:
-            if key not in serial_of:
-                break
-            hits += 1
+    def replay(self, prompts: Sequence[SampledPrompt], p: Sequence[float]) -> None:
+        """Look up and touch each prompt's pages in turn: its score gains the pages that lead the
+        prompt cached (each stands for the unsampled pages around it); then the lowest keys over
+        capacity leave (once per batch: the tuner keeps a batch under 1/64 of the capacity)."""
+        queue_of = self._queue_of
+        queues = self._queues
+        weight = self.weight
+        ranked = weight > 0  # weight 0 is LRU: one queue
+        score = self.score
+        heap, serial = self._heap, self._serial
+        for keys, counts, scale, now, decay in prompts:
+            hits = 0
+            for key in keys:
+                if key not in queue_of:
+                    break
+                hits += 1
+            score = score * decay + hits
+            for i in range(len(keys) - 1, -1, -1):  # deeper pages first: they leave first on equal keys
+                key = keys[i]
+                old = queue_of.get(key)
+                if old is not None:
+                    del old[key]
+                where = (scale, counts[i] if ranked else 0)
+                queue = queues.get(where)
+                if queue is None:
+                    queue = queues[where] = OrderedDict()
+                if not queue:  # a new head: its entry (a later curve is seen by _evict's rebuild)
+                    serial += 1
+                    heappush(heap, (now + scale * weight * p[where[1]], serial, where, key))
+                queue[key] = now
+                queue_of[key] = queue
+        self.score, self._serial = score, serial
+        over = len(queue_of) - self.capacity
+        if over > 0:
+            self._evict(over, p)
+
+    def _evict(self, over: int, p: Sequence[float]) -> None:
+        """Drop the ``over`` lowest keys, in runs from the lowest queue while its head stays below
+        the next entries of the heads' heap.
+
+        The heap holds, for every non-empty queue, at least one entry whose rank is at most its
+        head's (a queue's head only ages forward: a touch moves a key to a tail); an entry that
+        no longer names its queue's head at its rank is replaced by the head's when it surfaces.
+        A new curve changes the credits: the heap is then rebuilt.
+        """
+        queue_of, queues = self._queue_of, self._queues
+        weight = self.weight
+        if p is not self._heap_p or len(self._heap) > 4 * len(queues) + 64:
+            self._rebuild(p)
         heap = self._heap
-        serial = self._next
-        credit = scale * self.weight
-        cap = math.inf
-        for key, count in zip(keys, counts, strict=True):
-            rank = now + credit * p[count]
-            if rank > cap:
-                rank = cap
-            cap = rank
-            serial -= 1
-            serial_of[key] = serial
-            heappush(heap, (rank, serial, key))
-        self._next = serial
-        over = len(serial_of) - self.capacity
         while over > 0:
-            _, serial, key = heappop(heap)
-            if serial_of.get(key) == serial:
-                del serial_of[key]
+            rank, _, where, head = heap[0]
+            queue = queues[where]
+            if not queue:
+                heappop(heap)
+                continue
+            gain = where[0] * weight * p[where[1]]
+            first = next(iter(queue))
+            true_rank = queue[first] + gain
+            if first != head or true_rank != rank:
+                self._serial += 1
+                heapreplace(heap, (true_rank, self._serial, where, first))
+                continue
+            limit = math.inf if len(heap) < 2 else heap[1][0] if len(heap) < 3 else min(heap[1][0], heap[2][0])
+            while True:
+                key, _ = queue.popitem(last=False)
+                del queue_of[key]
                 over -= 1
-        if len(heap) > 2 * len(serial_of) + 64:
-            self._heap = [e for e in heap if serial_of.get(e[2]) == e[1]]
-            heapify(self._heap)
-        return hits
+                if not queue or over <= 0:
+                    break
+                first = next(iter(queue))
+                if queue[first] + gain > limit:
+                    break
+            if queue:
+                first = next(iter(queue))
+                self._serial += 1
+                heapreplace(heap, (queue[first] + gain, self._serial, where, first))
+            else:
+                heappop(heap)
+
+    def _rebuild(self, p: Sequence[float]) -> None:
+        """The heads' heap from scratch, with the curve ``p``."""
+        heap = []
+        for where, queue in self._queues.items():
+            if queue:
+                first = next(iter(queue))
+                self._serial += 1
+                heap.append((queue[first] + where[0] * self.weight * p[where[1]], self._serial, where, first))
+        heapify(heap)
+        self._heap, self._heap_p = heap, p
 
     def __len__(self) -> int:
-        return len(self._serial)
+        return len(self._queue_of)
 
 
 class SelfTuner:
@@ -101,15 +180,29 @@ class SelfTuner:
         self._lead = 0
         self._requests = 0  # requests seen since the last sampled one (for the decay)
         self.sampled = 0
-        self.pages = 0.0  # decayed sampled pages looked up
+        self.pages = 0.0  # decayed sampled pages looked up (replayed)
         self.switches = 0
+        # Prompts not yet replayed into the shadows: a call per prompt and shadow cost more than the
+        # pages (a prompt has one or two sampled pages at 1 in 32); bounded to 1/64 of a shadow.
+        self._batch: list[SampledPrompt] = []
+        self._batched = 0
+        self._batch_pages = max(self.shadows[0].capacity // 64, 1)
+
+    def flush(self, p: Sequence[float]) -> None:
+        """Replay the batched prompts into every shadow."""
+        for shadow in self.shadows:
+            shadow.replay(self._batch, p)
+        for prompt in self._batch:
+            self.pages = self.pages * prompt.decay + len(prompt.keys)
+        self._batch, self._batched = [], 0
 
     @property
     def weight(self) -> float:
         return self.current.weight
 
     def hit_ratios(self) -> dict[float, float]:
-        """Each candidate's decayed share of sampled pages hit (about the block hit ratio)."""
+        """Each candidate's decayed share of sampled pages hit (about the block hit ratio), as of
+        the last batch replayed."""
         return {s.weight: (s.score / self.pages if self.pages else 0.0) for s in self.shadows}
 
     def observe(self, keys: Sequence[Hashable], before: Sequence[int], sampled: Sequence[int],
@@ -121,16 +214,21 @@ class SelfTuner:
             return False
         decay = math.exp(-self._requests / self._horizon)
         self._requests = 0
-        sample_keys = [keys[i] for i in sampled]
-        counts = [before[i] + 1 if before[i] < COUNT_CAP else COUNT_CAP for i in sampled]  # as read at release
-        scale = credit_scale(1.0, window, self.gamma)
-        self.pages = self.pages * decay + len(sampled)
-        for shadow in self.shadows:
-            hit = shadow.access(sample_keys, counts, p, scale, now)
-            shadow.score = shadow.score * decay + hit
+        counts: list[int] = []
+        cap = COUNT_CAP
+        for i in sampled:  # as read at release, each capped by the sampled page above it
+            count = before[i] + 1 if before[i] < cap else cap
+            counts.append(count)
+            cap = count
+        self._batch.append(SampledPrompt([keys[i] for i in sampled], counts,
+                                         credit_scale(1.0, window, self.gamma), now, decay))
+        self._batched += len(sampled)
         self.sampled += 1
         self._since += 1
-        if self._since < _DECIDE_EVERY or self.sampled < _WARMUP_SAMPLES:
+        deciding = self._since >= _DECIDE_EVERY and self.sampled >= _WARMUP_SAMPLES
+        if deciding or self._batched >= self._batch_pages:
+            self.flush(p)
+        if not deciding:
             return False
         self._since = 0
         best = max(self.shadows, key=lambda s: s.score)  # the smallest weight among equals
