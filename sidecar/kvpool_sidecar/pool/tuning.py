@@ -83,18 +83,25 @@ class ShadowCache:
                     break
                 hits += 1
             score = score * decay + hits
+            held = -1  # the count whose queue ``queue`` is (a prompt's counts come in runs)
             for i in range(len(keys) - 1, -1, -1):  # deeper pages first: they leave first on equal keys
                 key = keys[i]
+                count = counts[i] if ranked else 0
+                if count != held:
+                    held = count
+                    queue = queues.get((scale, count))
+                    if queue is None:
+                        queue = queues[(scale, count)] = OrderedDict()
                 old = queue_of.get(key)
+                if old is queue:  # a hit that stays in its queue: to its tail
+                    queue.move_to_end(key)
+                    queue[key] = now
+                    continue
                 if old is not None:
                     del old[key]
-                where = (scale, counts[i] if ranked else 0)
-                queue = queues.get(where)
-                if queue is None:
-                    queue = queues[where] = OrderedDict()
                 if not queue:  # a new head: its entry (a later curve is seen by _evict's rebuild)
                     serial += 1
-                    heappush(heap, (now + scale * weight * p[where[1]], serial, where, key))
+                    heappush(heap, (now + scale * weight * p[count], serial, (scale, count), key))
                 queue[key] = now
                 queue_of[key] = queue
         self.score, self._serial = score, serial
@@ -130,15 +137,18 @@ class ShadowCache:
                 heapreplace(heap, (true_rank, self._serial, where, first))
                 continue
             limit = math.inf if len(heap) < 2 else heap[1][0] if len(heap) < 3 else min(heap[1][0], heap[2][0])
-            while True:
-                key, _ = queue.popitem(last=False)
-                del queue_of[key]
-                over -= 1
-                if not queue or over <= 0:
+            run = [first]  # the head, valid: the lowest key
+            take = over - 1
+            items = iter(queue.items())
+            next(items)
+            for key, touched in items:
+                if not take or touched + gain > limit:
                     break
-                first = next(iter(queue))
-                if queue[first] + gain > limit:
-                    break
+                run.append(key)
+                take -= 1
+            for key in run:
+                del queue[key], queue_of[key]
+            over -= len(run)
             if queue:
                 first = next(iter(queue))
                 self._serial += 1
