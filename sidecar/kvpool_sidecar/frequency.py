@@ -37,6 +37,7 @@ _HALVE = bytes(v >> 1 for v in range(256))
 PRIOR_BY_COUNT = (0.0, 0.26, 0.42, 0.5, 0.55, 0.6, 0.64, 0.68, 0.7, 0.74, 0.77, 0.8, 0.82, 0.83, 0.84, 0.85)
 PRIOR_WEIGHT = 64.0
 _REFIT_EVERY = 256  # increments between two refits of the curve
+REFIT_TOLERANCE = 0.005  # the change of some P(reuse | count) that makes a refit the new curve
 
 
 def mixed_hash(key: Hashable) -> int:
@@ -144,7 +145,10 @@ class ReuseByCount:
             estimate = (arrivals[c + 1] + PRIOR_WEIGHT * PRIOR_BY_COUNT[c]) / (visits + PRIOR_WEIGHT)
             best = max(best, min(estimate, 1.0))
             p[c] = best
-        self.p = p
+        # A new curve re-ranks every queue of the policies that read it; one that moved by less
+        # than REFIT_TOLERANCE anywhere ranks as the old one does (a second or two of credit).
+        if any(abs(new - old) >= REFIT_TOLERANCE for new, old in zip(p, self.p, strict=True)):
+            self.p = p
 
 
 class FrequencyView(NamedTuple):

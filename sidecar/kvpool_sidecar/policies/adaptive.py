@@ -244,12 +244,16 @@ class WorkloadAdaptivePolicy(PolicyBase):
         Takes a run from the lowest queue while its pages stay below every other queue's head (the
         heap's second entry bounds them), so the heap is touched once per run, not per page.
         """
-        first_child = links[0]
+        first_child, next_sib = links
         heap, head, tail = self._heap, self._head, self._tail
         nxt, prev, qid_of = self._next, self._prev, self._qid
         released, stamp, credit = self._released, self._stamp, self._credit
         named: list[int] = []
-        seen: set[int] = set()  # named, for the stop rule (a parent often follows its child in a call)
+        # The stop rule's test is inlined for the common case, a parent right after its only child
+        # (a chain's tail leaves first); otherwise it asks the set of the pages named so far.
+        seen: set[int] = set()
+        synced = 0  # named[:synced] are in seen
+        before = NO_PAGE  # the page named last
         stop = False
         while len(named) < count and not stop:
             _, top_stamp, qid = heap[0]
@@ -264,10 +268,14 @@ class WorkloadAdaptivePolicy(PolicyBase):
                 after = nxt[page]
                 qid_of[page] = -1
                 named.append(page)
-                seen.add(page)
-                if first_child[page] != NO_PAGE and has_unnamed_child(page, links, seen):
-                    stop = True
-                    break
+                child = first_child[page]
+                if child != NO_PAGE and (child != before or next_sib[child] != NO_PAGE):
+                    seen.update(named[synced:])
+                    synced = len(named)
+                    if has_unnamed_child(page, links, seen):
+                        stop = True
+                        break
+                before = page
                 if after == NO_PAGE or len(named) >= count or released[after] + gain >= limit:
                     break
                 page = after
