@@ -220,7 +220,7 @@ def test_operators_see_the_weight_the_shadows_and_the_switches():
     assert 'kvpool_tuning_switches_total{partition="toC"} 0.0' in scrape
     tuning = stats["tuning"]["toC"]
     assert tuning["self_tuned"] and tuning["reuse_weight"] == 0.0
-    assert set(tuning["shadow_hit_ratios"]) == {"0", "0.003", "0.01", "0.03", "0.1", "0.3"}
+    assert set(tuning["shadow_hit_ratios"]) == {"0", "0.01", "0.03", "0.1", "0.2", "0.3"}
 
 
 def test_tune_reports_each_candidate_and_what_self_tuning_chose(tmp_path, capsys):

@@ -30,7 +30,10 @@ from kvpool_sidecar.policies import credit_scale
 MIN_SHADOW_PAGES = 2048  # below this a sampled shadow ranks the candidates badly: sample more keys
 _DECIDE_EVERY = 16  # sampled requests between two decisions
 _WARMUP_SAMPLES = 64  # sampled requests before the first decision
-PERSISTENCE = 4  # decisions in a row a challenger must lead by the margin before it is adopted
+# How consistent a challenger's lead must be: its decayed sum of per-interval leads over at least
+# this many times the root of their decayed sum of squares. A steady lead passes after this many
+# squared intervals (4); a lead that comes and goes (sampling noise, phases) needs far more.
+SIGNIFICANCE = 2.0
 
 
 class SampledPrompt(NamedTuple):
@@ -64,6 +67,9 @@ class ShadowCache:
         self._heap_p: Sequence[float] = ()  # the curve the heap's ranks were computed with
         self._serial = 0
         self.score = 0.0  # decayed sampled pages hit
+        self.interval_hits = 0.0  # sampled pages hit since the tuner's last decision
+        self.lead = 0.0  # the tuner's decayed sum of this shadow's per-interval lead over the one in force
+        self.lead_squares = 0.0  # and of their squares
 
     # hot loop: every sampled page, once per candidate
     def replay(self, prompts: Sequence[SampledPrompt], p: Sequence[float]) -> None:
@@ -75,6 +81,7 @@ class ShadowCache:
         weight = self.weight
         ranked = weight > 0  # weight 0 is LRU: one queue
         score = self.score
+        interval = self.interval_hits
         heap, serial = self._heap, self._serial
         for keys, counts, scale, now, decay in prompts:
             hits = 0
@@ -83,6 +90,7 @@ class ShadowCache:
                     break
                 hits += 1
             score = score * decay + hits
+            interval += hits
             held = -1  # the count whose queue ``queue`` is (a prompt's counts come in runs)
             for i in range(len(keys) - 1, -1, -1):  # deeper pages first: they leave first on equal keys
                 key = keys[i]
@@ -104,7 +112,7 @@ class ShadowCache:
                     heappush(heap, (now + scale * weight * p[count], serial, (scale, count), key))
                 queue[key] = now
                 queue_of[key] = queue
-        self.score, self._serial = score, serial
+        self.score, self.interval_hits, self._serial = score, interval, serial
         over = len(queue_of) - self.capacity
         if over > 0:
             self._evict(over, p)
@@ -184,11 +192,10 @@ class SelfTuner:
         self.shadows = [ShadowCache(pages >> shift, w) for w in settings.reuseWeights]
         self.current = self.shadows[0]
         self._horizon = float(settings.horizonRequests)
-        self._margin = 1.0 + settings.marginPercent / 100.0
+        self._margin = settings.marginPercent / 100.0
         self._since = 0
-        self._leader: ShadowCache | None = None  # the challenger leading by the margin, and for how long
-        self._lead = 0
         self._requests = 0  # requests seen since the last sampled one (for the decay)
+        self._interval_decay = 1.0  # the scores' decay since the last decision
         self.sampled = 0
         self.pages = 0.0  # decayed sampled pages looked up (replayed)
         self.switches = 0
@@ -224,6 +231,7 @@ class SelfTuner:
             return False
         decay = math.exp(-self._requests / self._horizon)
         self._requests = 0
+        self._interval_decay *= decay
         counts: list[int] = []
         cap = COUNT_CAP
         for i in sampled:  # as read at release, each capped by the sampled page above it
@@ -241,14 +249,32 @@ class SelfTuner:
         if not deciding:
             return False
         self._since = 0
-        best = max(self.shadows, key=lambda s: s.score)  # the smallest weight among equals
-        if best is self.current or best.score <= self.current.score * self._margin:
-            self._leader, self._lead = None, 0
+        return self._decide()
+
+    def _decide(self) -> bool:
+        """Adopt the challenger whose lead over the candidate in force is large (the margin of the
+        in-force score) and consistent (:data:`SIGNIFICANCE`), if any; True when it changed.
+
+        A switch has a cost the shadows do not see (the live cache was shaped by the old weight),
+        so a lead that comes and goes must not move the policy back and forth.
+        """
+        current = self.current
+        decay, self._interval_decay = self._interval_decay, 1.0
+        best: ShadowCache | None = None
+        for shadow in self.shadows:
+            lead = shadow.interval_hits - current.interval_hits
+            shadow.lead = shadow.lead * decay + lead
+            shadow.lead_squares = shadow.lead_squares * decay + lead * lead
+        for shadow in self.shadows:
+            shadow.interval_hits = 0.0
+            if (shadow is not current and shadow.lead > self._margin * current.score
+                    and shadow.lead > SIGNIFICANCE * math.sqrt(shadow.lead_squares)
+                    and (best is None or shadow.lead > best.lead)):
+                best = shadow
+        if best is None:
             return False
-        self._lead = self._lead + 1 if best is self._leader else 1
-        self._leader = best
-        if self._lead < PERSISTENCE:
-            return False
-        self.current, self._leader, self._lead = best, None, 0
+        self.current = best
+        for shadow in self.shadows:  # leads are against the candidate in force: start again
+            shadow.lead = shadow.lead_squares = 0.0
         self.switches += 1
         return True
