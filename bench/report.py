@@ -5,8 +5,10 @@
     make bench-report
 
 The file is written whole from what the commands print in this run, so a figure that is no longer
-measured cannot survive in it; a section not run says so. What earlier sessions measured is kept
-below the current figures, dated, as history (``docs/benchmarks-history.md``), never mixed in.
+measured cannot survive in it; a section not run says so. ``--only WORD`` re-runs the sections
+whose title has WORD and splices them into the file in place, each marked with its own commit.
+What earlier sessions measured is kept below the current figures, dated, as history
+(``docs/benchmarks-history.md``), never mixed in.
 """
 
 from __future__ import annotations
@@ -93,6 +95,16 @@ def sections(synth_dir: str) -> list[Section]:
     return out
 
 
+def splice(report: str, fresh: dict[str, str]) -> str:
+    """``report`` with the sections titled as in ``fresh`` replaced by them (the others as they
+    were; a fresh section the report lacks is appended)."""
+    head, *parts = report.split("\n## ")
+    kept = {part.split("\n", 1)[0]: "## " + part for part in parts}
+    for title, text in fresh.items():
+        kept[title] = text
+    return "\n".join([head.rstrip("\n") + "\n", *(text.rstrip("\n") + "\n" for text in kept.values())])
+
+
 def run(section: Section) -> tuple[str, float, int]:
     argv = list(section.command)
     if argv[0] == "python":
@@ -131,19 +143,25 @@ def main() -> int:
             "it printed in that run; do not edit by hand. Earlier sessions' figures, dated: "
             "[benchmarks-history.md](benchmarks-history.md).\n",
         ]
+        fresh: dict[str, str] = {}  # title -> its part of the file, as run now
         for section in sections(synth_dir):
             if args.only and not any(word.lower() in section.title.lower() for word in args.only):
                 continue
-            parts.append(f"## {section.title}\n\n{section.what}\n")
+            part = f"## {section.title}\n\n{section.what}\n"
             shown = " ".join(section.command).replace(synth_dir, "<synth>").replace("python ", ".venv/bin/python ", 1)
             if section.slow and not args.all:
-                parts.append(f"```\n{shown}\n```\n\nNot run in this report (slow: `bench/report.py --all`).\n")
+                skipped = "Not run in this report (slow: `bench/report.py --all`)."
+                fresh[section.title] = part + f"```\n{shown}\n```\n\n{skipped}\n"
                 continue
             print(f"running: {shown}", file=sys.stderr, flush=True)
             text, seconds, code = run(section)
             status = "" if code == 0 else f" **(exit status {code})**"
-            parts.append(f"```\n{shown}\n```\n\n{seconds:.0f} s{status}:\n\n```\n{text}\n```\n")
-    OUT.write_text("\n".join(parts))
+            again = f" (re-run alone by `bench/report.py --only`, {when}, commit {commit()})" if args.only else ""
+            fresh[section.title] = part + f"```\n{shown}\n```\n\n{seconds:.0f} s{status}{again}:\n\n```\n{text}\n```\n"
+    if args.only and OUT.exists():
+        OUT.write_text(splice(OUT.read_text(), fresh))
+    else:
+        OUT.write_text("\n".join(parts + list(fresh.values())))
     print(f"wrote {OUT}", file=sys.stderr)
     return 0
 

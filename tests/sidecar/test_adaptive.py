@@ -137,6 +137,26 @@ def test_the_tuner_follows_the_candidate_that_hits_more_and_holds_on_a_tie():
     assert tie.weight == 0.0 and tie.switches == 0
 
 
+def test_a_lead_that_comes_and_goes_moves_nothing_and_a_steady_one_is_adopted():
+    """The decision rule alone (interval by interval, no decay): a challenger ahead on average
+    but by a lead that flips sign each interval is never adopted (a switch costs the live cache
+    what the shadows do not see); a steady lead of 1 % of the score per interval is, once it
+    passes the 2 % margin and twice the root of its squares."""
+    settings = SidecarConfig().eviction.selfTuning.model_copy(update={"reuseWeights": [0.0, 0.1]})
+    tuner = SelfTuner(pages=400, gamma=0.1, settings=settings)
+    lru, credit = tuner.shadows
+    lru.score = 1000.0
+    for interval in range(80):
+        lru.interval_hits, credit.interval_hits = 100.0, (150.0 if interval % 2 else 60.0)
+        assert not tuner._decide()
+    credit.lead = credit.lead_squares = 0.0
+    decided = []
+    for _ in range(8):
+        lru.interval_hits, credit.interval_hits = 100.0, 110.0
+        decided.append(tuner._decide())
+    assert decided.index(True) == 4 and tuner.weight == 0.1 and tuner.switches == 1  # 50 > 2 * sqrt(500)
+
+
 @pytest.mark.parametrize(("profile", "capacity"), [("to-c", 0.02), ("scan", 0.0025), ("to-b-burst", 0.01)])
 def test_self_tuned_never_loses_to_lru_on_what_it_was_not_built_for(profile, capacity):
     """The rule of issue 19 on three small traces (bench/policy_matrix.py runs the whole matrix)."""

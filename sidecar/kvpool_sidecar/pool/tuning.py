@@ -7,9 +7,12 @@ of each prompt's pages (one page key in ``sampleOneIn`` by hash, so a page and i
 sampled together; a first-page sample fails on chat, whose prompts all share their first page) at
 the same share of the partition's pages. It ranks pages by the live policy's own key
 (:func:`~kvpool_sidecar.policies.credit_scale`, counts from the same sketch), exactly. Its hit pages
-decay over ``horizonRequests`` requests; the live policy moves to the best candidate when that beats
-the one in force by ``marginPercent``. It starts at the smallest weight (LRU by default), so a tuner
-that has seen little changes nothing.
+decay over ``horizonRequests`` requests. Every 16 sampled prompts the tuner adds each challenger's
+lead over the candidate in force (hits in that interval, decayed alike); the live policy moves to the
+challenger whose lead is both over ``marginPercent`` of the in-force score and consistent (over
+:data:`SIGNIFICANCE` times the root of the leads' squares): a switch costs the live cache more than
+the shadows see, so a lead that comes and goes must move nothing. It starts at the smallest weight
+(LRU by default), so a tuner that has seen little changes nothing.
 
 Cost: the shadows hold, together, ``candidates / sampleOneIn`` times the partition's keys (two dict
 entries each) and do that share of its per-page work. Plain Python, no I/O.
