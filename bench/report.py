@@ -147,7 +147,7 @@ def main() -> int:
         for section in sections(synth_dir):
             if args.only and not any(word.lower() in section.title.lower() for word in args.only):
                 continue
-            part = f"## {section.title}\n\n{section.what}\n"
+            part = f"## {section.title}\n\n{section.what}\n\n"
             shown = " ".join(section.command).replace(synth_dir, "<synth>").replace("python ", ".venv/bin/python ", 1)
             if section.slow and not args.all:
                 skipped = "Not run in this report (slow: `bench/report.py --all`)."
