@@ -6,7 +6,9 @@ The pool is filled with cached chat prefixes of several classes (chains of 64 pa
 ten minutes of simulated time), and its ghost of evicted keys (workload-aware policies) up to its
 cap; then fresh prompts are admitted through the pool's own eviction path (the
 policy's choice plus the pool's bookkeeping, forgetting an old key per evicted page); each
-admission is timed on its own.
+admission is timed on its own. Each policy's evictions come in rounds alternating with those of an
+LRU pool filled alike, and ``x LRU`` is the median of the rounds' ratios: on a shared machine the
+medians of two runs a minute apart differ by up to 1.5x, the ratio of alternating rounds holds.
 To compare two versions on a noisy machine, count instructions (``valgrind --tool=cachegrind
 --cache-sim=no``) of ``--pages 100000 --policy P`` minus the same with ``--evictions 0``.
 """
@@ -63,7 +65,7 @@ def filled_pool(policy: str, pages: int, seed: int = 0) -> tuple[PagePool, float
     return pool, now, step
 
 
-def time_evictions(pool: PagePool, now: float, count: int, step: float) -> list[float]:
+def time_evictions(pool: PagePool, now: float, count: int, step: float, fresh: int = 10**9) -> list[float]:
     """Admit fresh 64-page prompts into the full pool: each admission evicts (at least) 64 pages.
 
     The sample is the admission's time divided by the pages it evicted; the prompt is then committed
@@ -74,7 +76,6 @@ def time_evictions(pool: PagePool, now: float, count: int, step: float) -> list[
     """
     samples = []
     clock = time.perf_counter_ns
-    fresh = 10**9
     gc.disable()
     try:
         for i in range(count // CHAIN):
@@ -92,6 +93,9 @@ def time_evictions(pool: PagePool, now: float, count: int, step: float) -> list[
     finally:
         gc.enable()
     return samples
+ROUNDS = 5  # each policy's evictions come in this many rounds, alternating with LRU's
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pages", type=int, default=1_000_000)
@@ -101,18 +105,37 @@ def main() -> None:
     policies = args.policy or [
         "lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact", "workload_adaptive"
     ]
-    print(f"{'policy':<22}{'median us':>10}{'p99 us':>10}{'mean us':>10}   ({args.pages} pages)")
+    print(f"{'policy':<22}{'median us':>10}{'p99 us':>10}{'mean us':>10}{'x LRU':>8}   ({args.pages} pages; "
+          f"x LRU: the median of {ROUNDS} rounds' ratios, each policy's rounds alternating with LRU's)")
     for name in policies:
-        pool, now, step = filled_pool(name, args.pages)
-        if args.evictions > 0:
-            count = args.evictions if name != "workload_aware_exact" else min(args.evictions, 4000)
-            samples = sorted(time_evictions(pool, now, count, step))
-            p99 = samples[int(len(samples) * 0.99) - 1]
-            median, mean = statistics.median(samples), statistics.fmean(samples)
-            print(f"{name:<22}{median:>10.2f}{p99:>10.2f}{mean:>10.2f}", flush=True)
+        if args.evictions <= 0:
+            pool, _, _ = filled_pool(name, args.pages)
+            if args.pages <= 100_000:
+                pool.check_invariants()
+            del pool
+            gc.collect()
+            continue
+        count = args.evictions if name != "workload_aware_exact" else min(args.evictions, 4000)
+        pair = {policy: list(filled_pool(policy, args.pages)) for policy in dict.fromkeys(["lru", name])}
+        samples: dict[str, list[float]] = {policy: [] for policy in pair}
+        ratios = []
+        for round_ in range(ROUNDS):
+            medians = {}
+            for policy, state in pair.items():
+                pool, now, step = state
+                taken = time_evictions(pool, now, count // ROUNDS, step, fresh=10**9 + round_ * 10**8)
+                state[1] = now + step * (count // ROUNDS // CHAIN)
+                samples[policy] += taken
+                medians[policy] = statistics.median(taken)
+            ratios.append(medians[name] / medians["lru"])
+        mine = sorted(samples[name])
+        p99 = mine[int(len(mine) * 0.99) - 1]
+        median, mean = statistics.median(mine), statistics.fmean(mine)
+        print(f"{name:<22}{median:>10.2f}{p99:>10.2f}{mean:>10.2f}{statistics.median(ratios):>8.2f}", flush=True)
         if args.pages <= 100_000:
-            pool.check_invariants()
-        del pool
+            for pool, _, _ in pair.values():
+                pool.check_invariants()
+        del pair, pool
         gc.collect()
 
 
