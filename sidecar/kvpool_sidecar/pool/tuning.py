@@ -56,8 +56,9 @@ class ShadowCache:
 
     As in the live policy, pages of one credit (one scale, one count) sit in one FIFO queue in
     touch order, a prompt's deeper pages first, and the victim is the lowest of the queues' heads,
-    ranked with the curve in force: a few dict operations per page and no heap (a heap entry per
-    touch cost about a microsecond per sampled page and shadow, most of the tuner's time).
+    ranked with the curve in force: a few dict operations per page and a heap of the heads only (a
+    heap entry per touch cost about a microsecond per sampled page and shadow, most of the tuner's
+    time).
     """
 
     def __init__(self, capacity: int, weight: float) -> None:
