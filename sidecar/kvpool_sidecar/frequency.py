@@ -12,9 +12,9 @@ cells lie in one 64-byte line (a blocked count-min): on a big pool the cells far
 caches, and a second line per key cost about 0.4 us of its count.
 ``PERIOD_PER_PAGE`` increments per pool page between halvings keep a key's count for many times a
 page's stay in the pool (chat turns come minutes apart; halving every 4 pool's worth of increments
-cost 0.03 of token hit ratio on the conversation trace at 2 %), and ``SLOTS_PER_PAGE`` cells per key
-and pool page keep the cells under 40 % full, so a new key finds a false count in at most about one case in seven
-(two such cells at once), fewer early in a period.
+cost 0.03 of token hit ratio on the conversation trace at 2 %), and ``SLOTS_PER_PAGE`` cells per pool
+page for each of a key's two cells keep the cells under 40 % full, so a new key finds a false count
+in at most about one case in seven (two such cells at once), fewer early in a period.
 
 :class:`ReuseByCount` learns P(a page is contained in one more request | its count) from the same
 increments: a key going from count c to c + 1 is a reuse of a page at count c. Plain Python, no I/O.
@@ -26,7 +26,7 @@ from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 COUNT_CAP = 15  # counters saturate here; the reuse curve is flat beyond a few counts anyway
-SLOTS_PER_PAGE = 32  # cells per key cell and pool page (two per key; rounded up to a power of two)
+SLOTS_PER_PAGE = 32  # cells per pool page for each of a key's two cells (rounded up to a power of two)
 PERIOD_PER_PAGE = 16  # increments per pool page between two halvings
 # A multiply, xor-shift, multiply mix (splitmix64's finaliser, shortened): Python's hash of an int is
 # the int, and a multiply alone is linear, so a range of trace ids shifted by a constant would land
@@ -85,7 +85,7 @@ class FrequencySketch:
         for depth, key in enumerate(keys):
             h = (hash(key) * _MIX) & _MASK64  # mixed_hash, inlined: this runs for every page of a prompt
             h = ((h ^ (h >> 31)) * _MIX2) & _MASK64
-            line = ((h >> 12) & line_mask) << 6
+            line = ((h >> 12) & line_mask) << 6  # _cell_pair, inlined
             i, j = line | (h & 63), line | ((h >> 6) & 63)
             a, b = cells[i], cells[j]
             count = a if a < b else b
@@ -105,10 +105,15 @@ class FrequencySketch:
             self._cells = cells.translate(_HALVE)
         return before, sampled
 
-    def count(self, key: Hashable) -> int:
-        h = mixed_hash(key)
+    def _cell_pair(self, h: int) -> tuple[int, int]:
+        """The two cells of a key of mixed hash ``h``: a line by bits 12 and up, a cell in it by
+        bits 0-5 and 6-11 (the sample reads the top bits)."""
         line = ((h >> 12) & self._line_mask) << 6
-        return min(self._cells[line | (h & 63)], self._cells[line | ((h >> 6) & 63)])
+        return line | (h & 63), line | ((h >> 6) & 63)
+
+    def count(self, key: Hashable) -> int:
+        i, j = self._cell_pair(mixed_hash(key))
+        return min(self._cells[i], self._cells[j])
 
 
 class ReuseByCount:

@@ -13,6 +13,7 @@ from kvpool_sidecar.policies.base import (
     PolicyContext,
     PolicyError,
     has_unnamed_child,
+    run_limit,
 )
 from kvpool_sidecar.policies.fifo import FIFOPolicy, S3FIFOPolicy
 from kvpool_sidecar.policies.lfu import LFUPolicy
@@ -60,4 +61,5 @@ __all__ = [
     "credit_scale",
     "has_unnamed_child",
     "make_policy",
+    "run_limit",
 ]

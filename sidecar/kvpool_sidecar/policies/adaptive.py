@@ -24,7 +24,6 @@ With a locality weight (self-tuning off) the page's locality level joins its que
 
 from __future__ import annotations
 
-import math
 from array import array
 from collections.abc import Hashable, Sequence
 from heapq import heapify, heappop, heappush, heapreplace
@@ -32,7 +31,7 @@ from heapq import heapify, heappop, heappush, heapreplace
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.frequency import COUNT_CAP, FrequencyView, ReuseByCount
 from kvpool_sidecar.keys import workload_class_of
-from kvpool_sidecar.policies.base import NO_PAGE, PolicyBase, PolicyContext, has_unnamed_child
+from kvpool_sidecar.policies.base import NO_PAGE, PolicyBase, PolicyContext, has_unnamed_child, run_limit
 from kvpool_sidecar.policies.scoring import LOCALITY_LEVELS, locality_level
 
 _LEVELS = COUNT_CAP + 1  # queue ids: (window slot * (LOCALITY_LEVELS + 1) + level) * _LEVELS + count
@@ -261,8 +260,7 @@ class WorkloadAdaptivePolicy(PolicyBase):
             if page == NO_PAGE or stamp[page] != top_stamp:
                 heappop(heap)
                 continue
-            size = len(heap)
-            limit = math.inf if size < 2 else heap[1][0] if size < 3 else min(heap[1][0], heap[2][0])
+            limit = run_limit(heap)
             gain = credit[qid]
             while True:
                 after = nxt[page]

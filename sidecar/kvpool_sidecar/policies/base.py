@@ -24,6 +24,7 @@ defaults (no bulk, no model, nothing to check), so the pool never probes a polic
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -42,6 +43,14 @@ def has_unnamed_child(page: int, links: tuple[Sequence[int], Sequence[int]], nam
     while child != NO_PAGE and child in named:
         child = next_sib[child]
     return child != NO_PAGE
+
+
+def run_limit(heap: Sequence[tuple[float, ...]]) -> float:
+    """The lowest key of a heap's entries after its top (the root's children): a run of victims
+    taken from the top's queue stays below it, so the heap is touched once per run, not per page."""
+    if len(heap) < 3:
+        return heap[1][0] if len(heap) == 2 else math.inf
+    return min(heap[1][0], heap[2][0])
 
 
 class PageTree(NamedTuple):

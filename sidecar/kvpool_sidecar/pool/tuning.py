@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from kvpool_sidecar.config import SelfTuning
 from kvpool_sidecar.frequency import COUNT_CAP
-from kvpool_sidecar.policies import credit_scale
+from kvpool_sidecar.policies import credit_scale, run_limit
 
 MIN_SHADOW_PAGES = 2048  # below this a sampled shadow ranks the candidates badly: sample more keys
 _DECIDE_EVERY = 16  # sampled requests between two decisions
@@ -113,7 +113,7 @@ class ShadowCache:
                     del old[key]
                 if not queue:  # a new head: its entry (a later curve is seen by _evict's rebuild)
                     serial += 1
-                    heappush(heap, (now + scale * weight * p[count], serial, (scale, count), key))
+                    heappush(heap, (now + self._credit((scale, count), p), serial, (scale, count), key))
                 queue[key] = now
                 queue_of[key] = queue
         self.score, self.interval_hits, self._serial = score, interval, serial
@@ -131,7 +131,6 @@ class ShadowCache:
         A new curve changes the credits: the heap is then rebuilt.
         """
         queue_of, queues = self._queue_of, self._queues
-        weight = self.weight
         if p is not self._heap_p or len(self._heap) > 4 * len(queues) + 64:
             self._rebuild(p)
         heap = self._heap
@@ -141,14 +140,14 @@ class ShadowCache:
             if not queue:
                 heappop(heap)
                 continue
-            gain = where[0] * weight * p[where[1]]
+            gain = self._credit(where, p)
             first = next(iter(queue))
             true_rank = queue[first] + gain
             if first != head or true_rank != rank:
                 self._serial += 1
                 heapreplace(heap, (true_rank, self._serial, where, first))
                 continue
-            limit = math.inf if len(heap) < 2 else heap[1][0] if len(heap) < 3 else min(heap[1][0], heap[2][0])
+            limit = run_limit(heap)
             run = [first]  # the head, valid: the lowest key
             take = over - 1
             items = iter(queue.items())
@@ -168,6 +167,10 @@ class ShadowCache:
             else:
                 heappop(heap)
 
+    def _credit(self, where: tuple[float, int], p: Sequence[float]) -> float:
+        """Seconds of key the pages of queue ``where`` (scale, count) get ahead of their touch."""
+        return where[0] * self.weight * p[where[1]]
+
     def _rebuild(self, p: Sequence[float]) -> None:
         """The heads' heap from scratch, with the curve ``p``."""
         heap = []
@@ -175,7 +178,7 @@ class ShadowCache:
             if queue:
                 first = next(iter(queue))
                 self._serial += 1
-                heap.append((queue[first] + where[0] * self.weight * p[where[1]], self._serial, where, first))
+                heap.append((queue[first] + self._credit(where, p), self._serial, where, first))
         heapify(heap)
         self._heap, self._heap_p = heap, p
 
