@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 
 import httpx
 import pytest
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, validate_config
 from kvpool_sidecar.frequency import COUNT_CAP, FrequencySketch, ReuseByCount
-from kvpool_sidecar.pool import PagePool
-from kvpool_sidecar.pool.tuning import SampledPrompt, SelfTuner, ShadowCache
+from kvpool_sidecar.pool import PagePool, tuning
+from kvpool_sidecar.pool.tuning import _DECIDE_EVERY, SampledPrompt, SelfTuner, ShadowCache
 from kvpool_sidecar.replay import parse_lines, replay_pool
 from kvpool_sidecar.replay.synth import generate
 from support import live_sidecar
@@ -155,6 +156,32 @@ def test_a_lead_that_comes_and_goes_moves_nothing_and_a_steady_one_is_adopted():
         lru.interval_hits, credit.interval_hits = 100.0, 110.0
         decided.append(tuner._decide())
     assert decided.index(True) == 4 and tuner.weight == 0.1 and tuner.switches == 1  # 50 > 2 * sqrt(500)
+
+
+def steady_small_lead_adopted_at(intervals: int) -> int | None:
+    """The interval at which a challenger is adopted that hits 1 % more than the candidate in force
+    in every interval (half the 2 % margin), decayed as a stream of 16 requests an interval is with
+    the default horizon; None if it is not within ``intervals``."""
+    settings = SidecarConfig().eviction.selfTuning.model_copy(update={"reuseWeights": [0.0, 0.1]})
+    tuner = SelfTuner(pages=400, gamma=0.1, settings=settings)
+    lru, credit = tuner.shadows
+    decay = math.exp(-_DECIDE_EVERY / settings.horizonRequests)
+    for interval in range(intervals):
+        lru.interval_hits, credit.interval_hits = 100.0, 101.0
+        lru.score = lru.score * decay + lru.interval_hits
+        tuner._interval_decay = decay
+        if tuner._decide():
+            return interval
+    return None
+
+
+def test_a_steady_lead_under_the_margin_per_request_is_adopted_once_it_adds_up(monkeypatch):
+    """The leads remember longer than the scores: a steady 1 % lead gains, in time, the 2 % of one
+    horizon's hits that the margin asks for; with the scores' own memory it never could."""
+    adopted = steady_small_lead_adopted_at(2000)
+    assert adopted is not None and adopted < 300
+    monkeypatch.setattr(tuning, "LEAD_MEMORY", 1.0)
+    assert steady_small_lead_adopted_at(2000) is None
 
 
 @pytest.mark.parametrize(("profile", "capacity"), [("to-c", 0.02), ("scan", 0.0025), ("to-b-burst", 0.01)])
