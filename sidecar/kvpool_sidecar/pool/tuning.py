@@ -25,13 +25,17 @@ import math
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from heapq import heapify, heappop, heappush, heapreplace
+from itertools import repeat
 from typing import NamedTuple
 
 from kvpool_sidecar.config import SelfTuning
 from kvpool_sidecar.frequency import COUNT_CAP
 from kvpool_sidecar.policies import credit_scale, run_limit
 
-MIN_SHADOW_PAGES = 2048  # below this a sampled shadow ranks the candidates badly: sample more keys
+# Below this a sampled shadow ranks the candidates badly: sample more keys. Measured on the chat
+# trace at 1-10 %: shadows of 512 pages and more chose as well as unsampled ones; at 256 the tuner
+# held LRU for a quarter of the trace at 5 % (0.2189 against 0.2233).
+MIN_SHADOW_PAGES = 512
 _DECIDE_EVERY = 16  # sampled requests between two decisions
 _WARMUP_SAMPLES = 64  # sampled requests before the first decision
 # How consistent a challenger's lead must be: its decayed sum of per-interval leads over at least
@@ -103,9 +107,8 @@ class ShadowCache:
             score = score * decay + hits
             interval += hits
             held = -1  # the count whose queue ``queue`` is (a prompt's counts come in runs)
-            for i in range(len(keys) - 1, -1, -1):  # deeper pages first: they leave first on equal keys
-                key = keys[i]
-                count = counts[i] if ranked else 0
+            # deeper pages first: they leave first on equal keys
+            for key, count in zip(reversed(keys), reversed(counts) if ranked else repeat(0), strict=False):
                 if count != held:
                     held = count
                     queue = queues.get((scale, count))
@@ -155,18 +158,18 @@ class ShadowCache:
                 heapreplace(heap, (true_rank, self._serial, where, first))
                 continue
             limit = run_limit(heap)
-            run = [first]  # the head, valid: the lowest key
-            take = over - 1
-            items = iter(queue.items())
-            next(items)
-            for key, touched in items:
-                if not take or touched + gain > limit:
+            pop = queue.popitem
+            key, _ = pop(False)  # the head, valid: the lowest key
+            del queue_of[key]
+            over -= 1
+            while over and queue:
+                key, touched = pop(False)
+                if touched + gain > limit:  # beyond the run: back to the front
+                    queue[key] = touched
+                    queue.move_to_end(key, False)
                     break
-                run.append(key)
-                take -= 1
-            for key in run:
-                del queue[key], queue_of[key]
-            over -= len(run)
+                del queue_of[key]
+                over -= 1
             if queue:
                 first = next(iter(queue))
                 self._serial += 1
