@@ -93,6 +93,8 @@ def time_evictions(pool: PagePool, now: float, count: int, step: float, fresh: i
     finally:
         gc.enable()
     return samples
+
+
 ROUNDS = 5  # each policy's evictions come in this many rounds, alternating with LRU's
 
 

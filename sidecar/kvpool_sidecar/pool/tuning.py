@@ -110,10 +110,10 @@ class ShadowCache:
             # deeper pages first: they leave first on equal keys
             for key, count in zip(reversed(keys), reversed(counts) if ranked else repeat(0), strict=False):
                 if count != held:
-                    held = count
-                    queue = queues.get((scale, count))
+                    held, where = count, (scale, count)
+                    queue = queues.get(where)
                     if queue is None:
-                        queue = queues[(scale, count)] = OrderedDict()
+                        queue = queues[where] = OrderedDict()
                 old = queue_of.get(key)
                 if old is queue:  # a hit that stays in its queue: to its tail
                     queue.move_to_end(key)
@@ -123,7 +123,7 @@ class ShadowCache:
                     del old[key]
                 if not queue:  # a new head: its entry (a later curve is seen by _evict's rebuild)
                     serial += 1
-                    heappush(heap, (now + self._credit((scale, count), p), serial, (scale, count), key))
+                    heappush(heap, (now + self._credit(where, p), serial, where, key))
                 queue[key] = now
                 queue_of[key] = queue
         self.score, self.interval_hits, self._serial = score, interval, serial
@@ -152,10 +152,8 @@ class ShadowCache:
                 continue
             gain = self._credit(where, p)
             first = next(iter(queue))
-            true_rank = queue[first] + gain
-            if first != head or true_rank != rank:
-                self._serial += 1
-                heapreplace(heap, (true_rank, self._serial, where, first))
+            if first != head or queue[first] + gain != rank:
+                heapreplace(heap, self._head_entry(where, queue, gain))
                 continue
             limit = run_limit(heap)
             pop = queue.popitem
@@ -171,9 +169,7 @@ class ShadowCache:
                 del queue_of[key]
                 over -= 1
             if queue:
-                first = next(iter(queue))
-                self._serial += 1
-                heapreplace(heap, (queue[first] + gain, self._serial, where, first))
+                heapreplace(heap, self._head_entry(where, queue, gain))
             else:
                 heappop(heap)
 
@@ -181,14 +177,17 @@ class ShadowCache:
         """Seconds of key the pages of queue ``where`` (scale, count) get ahead of their touch."""
         return where[0] * self.weight * p[where[1]]
 
+    def _head_entry(self, where: tuple[float, int], queue: OrderedDict[Hashable, float],
+                    gain: float) -> tuple[float, int, tuple[float, int], Hashable]:
+        """A heap entry for the head of the non-empty ``queue`` at ``where``, whose credit is ``gain``."""
+        first = next(iter(queue))
+        self._serial += 1
+        return queue[first] + gain, self._serial, where, first
+
     def _rebuild(self, p: Sequence[float]) -> None:
         """The heads' heap from scratch, with the curve ``p``."""
-        heap = []
-        for where, queue in self._queues.items():
-            if queue:
-                first = next(iter(queue))
-                self._serial += 1
-                heap.append((queue[first] + self._credit(where, p), self._serial, where, first))
+        heap = [self._head_entry(where, queue, self._credit(where, p))
+                for where, queue in self._queues.items() if queue]
         heapify(heap)
         self._heap, self._heap_p = heap, p
 
