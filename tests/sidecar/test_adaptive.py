@@ -116,9 +116,14 @@ def test_the_reuse_curve_is_learned_from_counts_and_never_falls():
     assert all(a <= b for a, b in zip(curve.p[1:], curve.p[2:], strict=False))
 
 
-def test_the_tuner_follows_the_candidate_that_hits_more_and_holds_on_a_tie():
+def lru_and_credit() -> SelfTuner:
+    """A tuner of two candidates, 0 (LRU, in force first) and 0.1, over 400 pages."""
     settings = SidecarConfig().eviction.selfTuning.model_copy(update={"reuseWeights": [0.0, 0.1]})
-    tuner = SelfTuner(pages=400, gamma=0.1, settings=settings)
+    return SelfTuner(pages=400, gamma=0.1, settings=settings)
+
+
+def test_the_tuner_follows_the_candidate_that_hits_more_and_holds_on_a_tie():
+    tuner = lru_and_credit()
     assert tuner.sample_one_in == 1 and tuner.weight == 0.0
     p = ReuseByCount().p
     sketch = FrequencySketch(400)
@@ -130,7 +135,7 @@ def test_the_tuner_follows_the_candidate_that_hits_more_and_holds_on_a_tie():
     assert tuner.weight == 0.1 and tuner.switches == 1
     ratios = tuner.hit_ratios()
     assert ratios[0.1] > ratios[0.0] + 0.1
-    tie = SelfTuner(pages=400, gamma=0.1, settings=settings)
+    tie = lru_and_credit()
     for i in range(3000):  # nothing is ever reused: every candidate hits nothing, the choice holds
         keys = [("only", i, j) for j in range(20)]
         before, _ = sketch.add(keys)
@@ -143,8 +148,7 @@ def test_a_lead_that_comes_and_goes_moves_nothing_and_a_steady_one_is_adopted():
     but by a lead that flips sign each interval is never adopted (a switch costs the live cache
     what the shadows do not see); a steady lead of 1 % of the score per interval is, once it
     passes the 2 % margin and twice the root of its squares."""
-    settings = SidecarConfig().eviction.selfTuning.model_copy(update={"reuseWeights": [0.0, 0.1]})
-    tuner = SelfTuner(pages=400, gamma=0.1, settings=settings)
+    tuner = lru_and_credit()
     lru, credit = tuner.shadows
     lru.score = 1000.0
     for interval in range(80):
@@ -162,10 +166,9 @@ def steady_small_lead_adopted_at(intervals: int) -> int | None:
     """The interval at which a challenger is adopted that hits 1 % more than the candidate in force
     in every interval (half the 2 % margin), decayed as a stream of 16 requests an interval is with
     the default horizon; None if it is not within ``intervals``."""
-    settings = SidecarConfig().eviction.selfTuning.model_copy(update={"reuseWeights": [0.0, 0.1]})
-    tuner = SelfTuner(pages=400, gamma=0.1, settings=settings)
+    tuner = lru_and_credit()
     lru, credit = tuner.shadows
-    decay = math.exp(-_DECIDE_EVERY / settings.horizonRequests)
+    decay = math.exp(-_DECIDE_EVERY / SidecarConfig().eviction.selfTuning.horizonRequests)
     for interval in range(intervals):
         lru.interval_hits, credit.interval_hits = 100.0, 101.0
         lru.score = lru.score * decay + lru.interval_hits
@@ -265,9 +268,9 @@ def test_operators_see_the_weight_the_shadows_and_the_switches():
     assert 'kvpool_tuning_reuse_weight{partition="toC"} 0.0' in scrape
     assert 'kvpool_tuning_shadow_hit_ratio{partition="toC",reuse_weight="0.3"}' in scrape
     assert 'kvpool_tuning_switches_total{partition="toC"} 0.0' in scrape
-    tuning = stats["tuning"]["toC"]
-    assert tuning["self_tuned"] and tuning["reuse_weight"] == 0.0
-    assert set(tuning["shadow_hit_ratios"]) == {"0", "0.01", "0.03", "0.1", "0.2", "0.3"}
+    state = stats["tuning"]["toC"]
+    assert state["self_tuned"] and state["reuse_weight"] == 0.0
+    assert set(state["shadow_hit_ratios"]) == {"0", "0.01", "0.03", "0.1", "0.2", "0.3"}
 
 
 def test_tune_reports_each_candidate_and_what_self_tuning_chose(tmp_path, capsys):
