@@ -190,7 +190,9 @@ class Eviction(_Model):
     weights: Weights = Field(default_factory=Weights)
     selfTuning: SelfTuning = Field(default_factory=SelfTuning)
     protectedPercent: float = Field(
-        default=20, ge=0, le=90, description="share of cached pages with the highest value, evicted last"
+        default=20, ge=0, le=90,
+        description="workload_aware only: share of cached pages with the highest value, evicted last "
+                    "(workload_adaptive has none: it credits each page by its count instead)",
     )
 
 
