@@ -71,6 +71,11 @@ def sections(synth_dir: str) -> list[Section]:
                 ["python", "bench/policy_matrix.py", "--requests", "4000"]),
         Section("Replay time, default policy against LRU", "The conversation trace replayed by each, in "
                 "alternation; medians and their ratio.", ["python", "bench/replay_time.py"]),
+        Section("Replay time in instructions (cachegrind), default policy against LRU",
+                "The conversation trace replayed once by each under cachegrind, less a run that only loads "
+                "it: the ratio of the issue-19 bound (at most 3x), in a measure that does not swing.",
+                ["python", "bench/replay_time.py", "--instructions",
+                 *(arg for capacity in CAPACITIES for arg in ("--capacity", capacity))]),
         Section("Pool operations", "Page ops per second of the LRU pool replaying the conversation trace, and "
                 "Python memory per cached page of a 1,000,000-page pool.", ["python", "bench/pool_ops.py"]),
         Section("Eviction cost", "Per evicted page, each policy, a full pool of 1,000,000 pages; memory per cached "
