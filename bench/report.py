@@ -76,6 +76,10 @@ def sections(synth_dir: str) -> list[Section]:
                 "it: the ratio of the issue-19 bound (at most 3x), in a measure that does not swing.",
                 ["python", "bench/replay_time.py", "--instructions",
                  *(arg for capacity in CAPACITIES for arg in ("--capacity", capacity))]),
+        Section("Self-tuner by trace segment, conversation trace at 5 %",
+                "Token hit ratio of LRU, the self-tuned default and each candidate weight held fixed, over "
+                "eighths of the requests, and the tuner's switches: where its gap to the best fixed weight lies.",
+                ["python", "bench/tuner_phases.py", "--capacity", "0.05"]),
         Section("Pool operations", "Page ops per second of the LRU pool replaying the conversation trace, and "
                 "Python memory per cached page of a 1,000,000-page pool.", ["python", "bench/pool_ops.py"]),
         Section("Eviction cost", "Per evicted page, each policy, a full pool of 1,000,000 pages; memory per cached "
