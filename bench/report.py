@@ -1,6 +1,6 @@
 """Regenerate docs/benchmarks.md: every current figure, each under the command that printed it.
 
-    .venv/bin/python bench/report.py          # the quick set (about 30 minutes on 2 cores)
+    .venv/bin/python bench/report.py          # the quick set (about 35 minutes on 2 cores)
     .venv/bin/python bench/report.py --all    # also the real engine and authentication's cost (+15 min)
     make bench-report
 
