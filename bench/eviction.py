@@ -10,13 +10,15 @@ admission is timed on its own. Each policy's evictions come in rounds alternatin
 LRU pool filled alike, and ``x LRU`` is the median of the rounds' ratios: on a shared machine the
 medians of two runs a minute apart differ by up to 1.5x, the ratio of alternating rounds holds.
 To compare two versions on a noisy machine, count instructions (``valgrind --tool=cachegrind
---cache-sim=no``) of ``--pages 100000 --policy P`` minus the same with ``--evictions 0``.
+--cache-sim=no``) of ``--pages 100000 --policy P --alone`` minus the same with ``--evictions 0``
+(``--alone``: no LRU pool beside P's, which the count would otherwise include with evictions only).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import random
 import statistics
 import time
@@ -103,6 +105,7 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=1_000_000)
     parser.add_argument("--evictions", type=int, default=20_000, help="0: fill the pool only")
     parser.add_argument("--policy", action="append", choices=sorted(POLICIES))
+    parser.add_argument("--alone", action="store_true", help="no LRU rounds beside the policy's (instruction counts)")
     args = parser.parse_args()
     policies = args.policy or [
         "lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact", "workload_adaptive"
@@ -118,7 +121,8 @@ def main() -> None:
             gc.collect()
             continue
         count = args.evictions if name != "workload_aware_exact" else min(args.evictions, 4000)
-        pair = {policy: list(filled_pool(policy, args.pages)) for policy in dict.fromkeys(["lru", name])}
+        pair = {policy: list(filled_pool(policy, args.pages))
+                for policy in dict.fromkeys([name] if args.alone else ["lru", name])}
         samples: dict[str, list[float]] = {policy: [] for policy in pair}
         ratios = []
         for round_ in range(ROUNDS):
@@ -129,7 +133,7 @@ def main() -> None:
                 state[1] = now + step * (count // ROUNDS // CHAIN)
                 samples[policy] += taken
                 medians[policy] = statistics.median(taken)
-            ratios.append(medians[name] / medians["lru"])
+            ratios.append(medians[name] / medians.get("lru", math.nan))
         mine = sorted(samples[name])
         p99 = mine[int(len(mine) * 0.99) - 1]
         median, mean = statistics.median(mine), statistics.fmean(mine)

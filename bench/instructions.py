@@ -8,7 +8,8 @@ difference of two runs, so that start-up and loading cancel out:
 * ``pool_ops``: the conversation trace replayed once through an LRU pool at 5 % (``bench/pool_ops.py
   --repeat 1`` minus ``--repeat 0``);
 * ``eviction``: 20,000 evictions from a full pool of 200,000 pages under the workload-aware policy
-  (``bench/eviction.py --evictions 20000`` minus ``--evictions 0``).
+  alone (``bench/eviction.py --alone --evictions 20000`` minus ``--evictions 0``; before ``--alone``
+  the first count also held an LRU pool's fill and evictions).
 
 Both commits run this checkout's benchmark scripts, each against its own package (PYTHONPATH).
 """
@@ -27,7 +28,7 @@ from worktrees import checked_out
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {
     "pool_ops": (["bench/pool_ops.py", "--capacity", "0.05", "--memory-pages", "0", "--repeat"], "1", "0"),
-    "eviction": (["bench/eviction.py", "--policy", "workload_aware", "--pages", "200000", "--evictions"],
+    "eviction": (["bench/eviction.py", "--policy", "workload_aware", "--alone", "--pages", "200000", "--evictions"],
                  "20000", "0"),
 }
 
