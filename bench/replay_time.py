@@ -13,17 +13,15 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import re
 import statistics
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from instructions import ROOT, instructions
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.replay import read_trace, replay_pool
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 DEFAULT = KVCachePolicySpec().eviction.policy
 
 
@@ -44,24 +42,17 @@ def wall_time(trace_path: Path, capacities: list[float], repeat: int) -> None:
               f"(hit {ratio[DEFAULT]:.4f}): {mine / lru:.2f}x")
 
 
-def instructions(trace_path: Path, policy: str | None, capacity: float) -> int:
+def replay_instructions(trace_path: Path, policy: str | None, capacity: float) -> int:
     """Instructions of this script replaying ``trace_path`` once with ``policy`` (None: load it only)."""
-    args = [sys.executable, __file__, "--trace", str(trace_path), "--capacity", str(capacity)]
-    args += ["--replay-once", policy] if policy else ["--load-only"]
-    done = subprocess.run(["valgrind", "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-                           *args], env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True,
-                          check=False)
-    match = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
-    if done.returncode or match is None:
-        raise SystemExit(f"{' '.join(args)} failed:\n{done.stderr[-2000:]}")
-    return int(match.group(1).replace(",", ""))
+    args = [__file__, "--trace", str(trace_path.resolve()), "--capacity", str(capacity)]
+    return instructions(ROOT, args + (["--replay-once", policy] if policy else ["--load-only"]))
 
 
 def instruction_counts(trace_path: Path, capacities: list[float]) -> None:
     print(f"trace {trace_path.name}: {DEFAULT} against lru, instructions of one replay (cachegrind)")
     runs = [(None, capacities[0])] + [(policy, c) for c in capacities for policy in ("lru", DEFAULT)]
     with ThreadPoolExecutor(os.cpu_count() or 1) as workers:
-        counts = dict(zip(runs, workers.map(lambda run: instructions(trace_path, *run), runs), strict=True))
+        counts = dict(zip(runs, workers.map(lambda run: replay_instructions(trace_path, *run), runs), strict=True))
     loading = counts[(None, capacities[0])]
     for capacity in capacities:
         lru, mine = counts[("lru", capacity)] - loading, counts[(DEFAULT, capacity)] - loading

@@ -18,7 +18,7 @@ import argparse
 
 from kvpool_sidecar.pool import PagePool
 from kvpool_sidecar.replay import read_trace
-from kvpool_sidecar.replay.run import capacity_pages, replay_spec, serve_request
+from kvpool_sidecar.replay.run import capacity_pages, serve_request, trace_spec
 from kvpool_sidecar.replay.trace import Request, Trace
 
 CANDIDATES = ("lru", "workload_aware")
@@ -33,8 +33,7 @@ def replay(trace: Trace, capacity: float, fixed: str | None, sample: int, horizo
            ) -> tuple[float, int]:
     """(token hit ratio, switches) of one pool: ``fixed`` runs one policy; None tunes between them."""
     pages, _ = capacity_pages(trace, capacity)
-    single = not any(r.meta.workload_class == "toB" for r in trace.requests)
-    specs = {p: replay_spec(p, trace.block_size, None, single_class=single) for p in CANDIDATES}
+    specs = {p: trace_spec(trace, p) for p in CANDIDATES}
     current = fixed or "workload_aware"
     live = PagePool(pages, specs[current], clock=lambda: 0.0)
     shadows = {p: PagePool(max(1, pages // sample), specs[p], clock=lambda: 0.0) for p in CANDIDATES}

@@ -17,7 +17,7 @@ from pathlib import Path
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.pool import PagePool
 from kvpool_sidecar.replay import read_trace
-from kvpool_sidecar.replay.run import capacity_pages, replay_spec, serve_request
+from kvpool_sidecar.replay.run import capacity_pages, serve_request, trace_spec
 from kvpool_sidecar.replay.trace import Trace
 from kvpool_sidecar.replay.tune import adaptive_spec
 
@@ -28,8 +28,7 @@ def cached_tokens(trace: Trace, pages: int, policy: str, spec: KVCachePolicySpec
                   watch: list[tuple[int, str]] | None = None) -> list[int]:
     """Each request's cached tokens; ``watch`` gets (request, weights in force) at each switch of the
     self-tuner (the tuned run)."""
-    single = not any(r.meta.workload_class == "toB" for r in trace.requests)
-    pool = PagePool(pages, replay_spec(policy, trace.block_size, spec, single_class=single), clock=lambda: 0.0)
+    pool = PagePool(pages, trace_spec(trace, policy, spec), clock=lambda: 0.0)
     out: list[int] = []
     switches = 0
     for i, req in enumerate(trace.requests):

@@ -8,6 +8,7 @@ from kvpool_sidecar.replay.run import (
     replay_reference,
     replay_spec,
     run_matrix,
+    trace_spec,
 )
 from kvpool_sidecar.replay.trace import Request, Trace, TraceError, parse_lines, read_trace
 
@@ -24,4 +25,5 @@ __all__ = [
     "replay_reference",
     "replay_spec",
     "run_matrix",
+    "trace_spec",
 ]

@@ -13,8 +13,8 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Literal
 
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.pool import TO_B, PagePool
-from kvpool_sidecar.replay.run import REFERENCE_POLICIES, ReplayResult, capacity_pages, replay_spec, serve_request
+from kvpool_sidecar.pool import PagePool
+from kvpool_sidecar.replay.run import REFERENCE_POLICIES, ReplayResult, capacity_pages, serve_request, trace_spec
 from kvpool_sidecar.replay.trace import Trace
 from kvpool_sidecar.routing import HashRing, KeySpec, Router, key_movement, key_position
 
@@ -49,8 +49,7 @@ def replay_cluster(
         raise ValueError("--membership leave needs at least 2 pods")
     total_pages, fraction = capacity_pages(trace, capacity)
     per_pod = max(1, total_pages // pods)
-    single_class = not any(r.meta.workload_class == TO_B for r in trace.requests)
-    spec = replay_spec(policy, trace.block_size, spec, single_class=single_class)
+    spec = trace_spec(trace, policy, spec)
     names = [pod_name(i) for i in range(pods)]
     pools = {name: PagePool(per_pod, spec, clock=lambda: 0.0) for name in names}
     # Trace ids are already chained per prefix and carry no tenant: used as they are, like the pool.

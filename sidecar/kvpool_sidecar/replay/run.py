@@ -69,8 +69,10 @@ def replay_spec(
     return KVCachePolicySpec.model_validate(data)
 
 
-def _class_shares(trace: Trace) -> bool:
-    return any(r.meta.workload_class == TO_B for r in trace.requests)
+def trace_spec(trace: Trace, policy: str, base: KVCachePolicySpec | None = None) -> KVCachePolicySpec:
+    """:func:`replay_spec` for ``trace``: its page size, and one partition unless it has to-B requests."""
+    single_class = not any(r.meta.workload_class == TO_B for r in trace.requests)
+    return replay_spec(policy, trace.block_size, base, single_class=single_class)
 
 
 def replay_pool(
@@ -83,7 +85,7 @@ def replay_pool(
 ) -> ReplayResult:
     """Drive the real pool with the trace: admit, commit the whole prompt, release, per request."""
     pages, fraction = capacity_pages(trace, capacity)
-    spec = replay_spec(policy, trace.block_size, spec, single_class=not _class_shares(trace))
+    spec = trace_spec(trace, policy, spec)
     pool = pool or PagePool(pages, spec, clock=lambda: 0.0)
     block = trace.block_size
     hit_tokens = hit_blocks = total_blocks = oversized = 0

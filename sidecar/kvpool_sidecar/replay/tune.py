@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.pool import PagePool
-from kvpool_sidecar.replay.run import capacity_pages, replay_pool, replay_spec
+from kvpool_sidecar.replay.run import capacity_pages, replay_pool, trace_spec
 from kvpool_sidecar.replay.trace import Trace
 
 DEFAULT_GRID = {
@@ -98,9 +98,7 @@ def self_tuned(trace: Trace, capacity: float, spec: KVCachePolicySpec | None = N
     """Replay with the self-tuner on, reading its choice every 256 requests."""
     tuned = adaptive_spec(spec or KVCachePolicySpec(), None)
     pages, _ = capacity_pages(trace, capacity)
-    pool = PagePool(pages, replay_spec("workload_adaptive", trace.block_size, tuned,
-                                       single_class=not any(r.meta.workload_class == "toB" for r in trace.requests)),
-                    clock=lambda: 0.0)
+    pool = PagePool(pages, trace_spec(trace, "workload_adaptive", tuned), clock=lambda: 0.0)
     ticks: dict[str, dict[float, int]] = {}
 
     def tick(_: int) -> None:
