@@ -15,7 +15,7 @@ system-deps:
 		echo "installing prometheus (Debian package) for the metrics tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py sidecar/kvpool_sidecar/_sketch.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel that lies on disk; a bare `torch` requirement would pull a multi-GB CUDA build.
@@ -29,9 +29,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check sidecar operator tests bench scripts
 	$(VENV)/bin/lint-imports
 
-# KVPOOL_REQUIRE_ENGINE: the engine tests fail, not skip, when vLLM is missing.
+# KVPOOL_REQUIRE_ENGINE: the engine tests fail, not skip, when vLLM is missing; KVPOOL_REQUIRE_NATIVE:
+# the compiled sketch's tests fail, not skip, when the install did not build it.
 test: lint system-deps
-	KVPOOL_REQUIRE_ENGINE=1 $(VENV)/bin/pytest
+	KVPOOL_REQUIRE_ENGINE=1 KVPOOL_REQUIRE_NATIVE=1 $(VENV)/bin/pytest
 
 # The local stack: the chat policy rendered by the operator, a sidecar serving it, a trace replayed into it.
 run: $(STAMP)

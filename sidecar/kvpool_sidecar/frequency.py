@@ -17,7 +17,10 @@ page for each of a key's two cells keep the cells under 40 % full, so a new key 
 in at most about one case in seven (two such cells at once), fewer early in a period.
 
 :class:`ReuseByCount` learns P(a page is contained in one more request | its count) from the same
-increments: a key going from count c to c + 1 is a reuse of a page at count c. Plain Python, no I/O.
+increments: a key going from count c to c + 1 is a reuse of a page at count c. No I/O. The sketch's
+per-key loop runs compiled where the package was built with its C extension (``_sketch.c``; in
+Python the 64-bit mixing is arbitrary-precision arithmetic, 1.4 us a key against 0.09 compiled),
+and :func:`_count_python`, its reference, where not.
 """
 
 from __future__ import annotations
@@ -50,6 +53,44 @@ def mixed_hash(key: Hashable) -> int:
     return (h * _MIX2) & _MASK64
 
 
+def _count_python(cells: bytearray, line_mask: int, keys: Sequence[Hashable], cap: int,
+                  drop: int) -> tuple[list[int], list[int]]:
+    """One request's increments: each key's count (the smaller of its two cells) before it, raised
+    by one up to ``cap`` (conservative update: only the cells below the new count move), and the
+    indexes of the keys whose mixed hash has no bit set from bit ``drop`` up (none when ``drop`` < 0).
+
+    The reference for the compiled loop (``kvpool_sidecar._sketch.count``, the same arguments), which
+    runs instead where it was built.
+    """
+    before: list[int] = []
+    sampled: list[int] = []
+    sampling = drop >= 0
+    for depth, key in enumerate(keys):
+        h = (hash(key) * _MIX) & _MASK64  # mixed_hash, inlined: this runs for every page of a prompt
+        h = ((h ^ (h >> 31)) * _MIX2) & _MASK64
+        line = ((h >> 12) & line_mask) << 6  # FrequencySketch._cell_pair, inlined
+        i, j = line | (h & 63), line | ((h >> 6) & 63)
+        a, b = cells[i], cells[j]
+        count = a if a < b else b
+        before.append(count)
+        if count < cap:
+            count += 1
+            if a < count:
+                cells[i] = count
+            if b < count:
+                cells[j] = count
+        if sampling and not h >> drop:
+            sampled.append(depth)
+    return before, sampled
+
+
+try:  # the compiled loop, where the package was built with it (see _sketch.c)
+    from kvpool_sidecar._sketch import count as _count
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _count = _count_python
+NATIVE = _count is not _count_python
+
+
 class FrequencySketch:
     """Recent counts of keys in bounded memory; see the module's notes."""
 
@@ -76,33 +117,14 @@ class FrequencySketch:
         """Count one more request containing each of ``keys``; returns their counts before it and
         the indexes of the keys in the spatial sample of one key in ``2**sample_shift`` (by hash;
         none when None), which the self-tuner's shadows follow."""
-        cells = self._cells
-        line_mask = self._line_mask
-        before: list[int] = []
-        sampled: list[int] = []
-        sampling = sample_shift is not None
-        drop = 64 - (sample_shift or 0)  # the sample reads the hash's top bits, the cells its lower ones
-        for depth, key in enumerate(keys):
-            h = (hash(key) * _MIX) & _MASK64  # mixed_hash, inlined: this runs for every page of a prompt
-            h = ((h ^ (h >> 31)) * _MIX2) & _MASK64
-            line = ((h >> 12) & line_mask) << 6  # _cell_pair, inlined
-            i, j = line | (h & 63), line | ((h >> 6) & 63)
-            a, b = cells[i], cells[j]
-            count = a if a < b else b
-            before.append(count)
-            if count < COUNT_CAP:
-                count += 1
-                if a < count:
-                    cells[i] = count
-                if b < count:
-                    cells[j] = count
-            if sampling and not h >> drop:
-                sampled.append(depth)
+        # the sample reads the hash's top bits, the cells its lower ones
+        drop = -1 if sample_shift is None else 64 - sample_shift
+        before, sampled = _count(self._cells, self._line_mask, keys, COUNT_CAP, drop)
         self._added += len(keys)
         if self._added >= self._period:
             self._added = 0
             self.halvings += 1
-            self._cells = cells.translate(_HALVE)
+            self._cells = self._cells.translate(_HALVE)
         return before, sampled
 
     def _cell_pair(self, h: int) -> tuple[int, int]:

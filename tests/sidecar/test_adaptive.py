@@ -5,10 +5,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import os
 import random
 
 import httpx
 import pytest
+from kvpool_sidecar import frequency
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, validate_config
 from kvpool_sidecar.frequency import COUNT_CAP, FrequencySketch, ReuseByCount
 from kvpool_sidecar.pool import PagePool, tuning
@@ -99,6 +101,43 @@ def test_the_sketch_counts_prompts_keeps_counts_past_eviction_and_stays_bounded(
     sketch.add(["c"])  # the period's last increment: every count halves
     assert sketch.halvings == 1 and sketch.count("a") == COUNT_CAP // 2
     assert [sketch.count(k) for k in ("a", "b", ("fill", 7))] == [c // 2 for c in counts]
+
+
+def _compiled_count():
+    """The compiled sketch loop; make test (KVPOOL_REQUIRE_NATIVE) fails where the build lacks it."""
+    if not frequency.NATIVE:
+        if os.environ.get("KVPOOL_REQUIRE_NATIVE"):
+            pytest.fail("kvpool_sidecar._sketch was not built (no C compiler at install?)")
+        pytest.skip("kvpool_sidecar._sketch was not built: the Python loop runs")
+    return frequency._count
+
+
+def test_the_compiled_sketch_counts_exactly_as_the_python_loop():
+    count = _compiled_count()
+    rng = random.Random(7)
+    keys: list = [rng.randrange(-(2**70), 2**70) for _ in range(300)]
+    keys += [-1, -2, 0, 2**63 - 1, -(2**63), 2**64 + 5, "a", b"\x00" * 16, ("toC", 3), 1.5]
+    keys += [rng.randbytes(16) for _ in range(300)] + list(range(200))
+    reference, compiled = bytearray(64 * 8), bytearray(64 * 8)  # small: cells collide and reach the cap
+    for step in range(60):
+        prompt = keys[:rng.randrange(0, 8)] + rng.sample(keys, rng.randrange(0, 40))  # a hot prefix and others
+        drop = rng.choice([-1, 59, 60, 61, 62, 63, 64])
+        cap = rng.choice([COUNT_CAP, 3])
+        assert count(compiled, 7, prompt, cap, drop) == frequency._count_python(reference, 7, prompt, cap, drop), step
+        assert compiled == reference, step
+    assert max(compiled) == COUNT_CAP
+
+
+def test_the_compiled_sketch_refuses_cells_it_would_write_past():
+    count = _compiled_count()
+    cells = bytearray(64 * 4)
+    with pytest.raises(ValueError, match="line_mask"):
+        count(cells, 4, [1, 2, 3], COUNT_CAP, -1)  # five lines' reach over four lines
+    with pytest.raises(TypeError, match="bytearray"):
+        count(bytes(64 * 4), 3, [1], COUNT_CAP, -1)
+    with pytest.raises(TypeError):
+        count(cells, 3, [1, [2]], COUNT_CAP, -1)  # an unhashable key, as hash() says
+    assert cells.count(0) == len(cells) - 2  # only the key before it was counted (two cells)
 
 
 def test_the_reuse_curve_is_learned_from_counts_and_never_falls():
