@@ -15,7 +15,7 @@ system-deps:
 		echo "installing prometheus (Debian package) for the metrics tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
-$(STAMP): pyproject.toml setup.py sidecar/kvpool_sidecar/_sketch.c
+$(STAMP): pyproject.toml setup.py $(wildcard sidecar/kvpool_sidecar/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel that lies on disk; a bare `torch` requirement would pull a multi-GB CUDA build.

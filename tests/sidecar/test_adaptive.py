@@ -140,6 +140,36 @@ def test_the_compiled_sketch_refuses_cells_it_would_write_past():
     assert cells.count(0) == len(cells) - 2  # only the key before it was counted (two cells)
 
 
+@pytest.mark.parametrize("weight", [0.0, 0.03, 0.3])
+def test_the_compiled_shadow_decides_exactly_as_the_python_one(weight):
+    if not tuning.COMPILED:
+        if os.environ.get("KVPOOL_REQUIRE_NATIVE"):
+            pytest.fail("kvpool_sidecar._shadow was not built (no C compiler at install?)")
+        pytest.skip("kvpool_sidecar._shadow was not built: the Python shadow runs")
+    rng = random.Random(11)
+    compiled, reference = ShadowCache(60, weight, compiled=True), ShadowCache(60, weight, compiled=False)
+    hot: list = [rng.randbytes(8) for _ in range(30)]  # reused often: hits, moves between queues
+    curve = list(ReuseByCount().p)
+    now = 0.0
+    for batch in range(300):
+        if batch % 40 == 39:  # a refitted curve: a new list, the heap rebuilt
+            curve = sorted(min(1.0, c + rng.random() * 0.1) for c in curve)
+        prompts = []
+        for _ in range(rng.randrange(1, 4)):
+            now += rng.choice([0.0, 0.5, 1.0, 7.0])  # equal touch times: ties go by the heap's serials
+            keys = hot[: rng.randrange(0, 12)] + [rng.randrange(10**6) for _ in range(rng.randrange(0, 8))]
+            if keys and rng.random() < 0.1:
+                keys.append(keys[0])  # a key twice in one prompt
+            counts = list(itertools.accumulate((rng.randrange(1, COUNT_CAP + 1) for _ in keys), min))
+            prompts.append(SampledPrompt(keys, counts, rng.choice([600.0, 6000.0]), now, rng.choice([1.0, 0.99])))
+        compiled.replay(prompts, curve)
+        reference.replay(prompts, curve)
+        assert (compiled.score, compiled.interval_hits, len(compiled)) == (
+            reference.score, reference.interval_hits, len(reference)), batch
+        assert compiled.queues() == reference.queues(), batch
+    assert reference.score > 10 and len(reference) == 60
+
+
 def test_the_reuse_curve_is_learned_from_counts_and_never_falls():
     """1,000 keys are seen three times and 4,000 once: a key seen once comes back one time in five,
     one seen twice always; past that nothing comes back, and the curve stays at its high."""

@@ -16,7 +16,10 @@ the shadows see, so a lead that comes and goes must move nothing. It starts at t
 (LRU by default), so a tuner that has seen little changes nothing.
 
 Cost: the shadows hold, together, ``candidates / sampleOneIn`` times the partition's keys (two dict
-entries each) and do that share of its per-page work. Plain Python, no I/O.
+entries each in Python; compiled, a 40-byte entry and two to four table slots) and do that share of
+its per-page work. No I/O. A shadow's replay runs compiled where
+the package was built with ``_shadow.c`` (its queues, table and heap in C, the same decisions, tie for
+tie); :class:`ShadowCache`'s own loops are its reference and run where it was not.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ from typing import NamedTuple
 from kvpool_sidecar.config import SelfTuning
 from kvpool_sidecar.frequency import COUNT_CAP
 from kvpool_sidecar.policies import credit_scale, run_limit
+
+try:  # a shadow's replay compiled, where the package was built with it (see _shadow.c)
+    from kvpool_sidecar._shadow import ShadowCore as _ShadowCore
+except ImportError:  # pragma: no cover - a build without a C compiler
+    _ShadowCore = None
+COMPILED = _ShadowCore is not None
 
 # Below this a sampled shadow ranks the candidates badly: sample more keys. Measured on the chat
 # trace at 1-10 %: shadows of 512 pages and more chose as well as unsampled ones; at 256 the tuner
@@ -72,9 +81,12 @@ class ShadowCache:
     time).
     """
 
-    def __init__(self, capacity: int, weight: float) -> None:
+    def __init__(self, capacity: int, weight: float, compiled: bool | None = None) -> None:
         self.capacity = max(capacity, 1)
         self.weight = weight
+        # The compiled twin of replay and _evict (_shadow.c), where it was built; this class's own
+        # loops are its reference (compiled=False runs them).
+        self._core = _ShadowCore(self.capacity, weight) if (COMPILED if compiled is None else compiled) else None
         self._queue_of: dict[Hashable, OrderedDict[Hashable, float]] = {}  # cached key -> its queue
         self._queues: dict[tuple[float, int], OrderedDict[Hashable, float]] = {}  # (scale, count) -> key -> touched
         # (a lower bound of a queue's head rank, a serial, the queue, the head it was made for)
@@ -91,6 +103,9 @@ class ShadowCache:
         """Look up and touch each prompt's pages in turn: its score gains the pages that lead the
         prompt cached (each stands for the unsampled pages around it); then the lowest keys over
         capacity leave (once per batch: the tuner keeps a batch under 1/64 of the capacity)."""
+        if self._core is not None:
+            self.score, self.interval_hits = self._core.replay(prompts, p, self.score, self.interval_hits)
+            return
         queue_of = self._queue_of
         queues = self._queues
         weight = self.weight
@@ -191,8 +206,15 @@ class ShadowCache:
         heapify(heap)
         self._heap, self._heap_p = heap, p
 
+    def queues(self) -> list[tuple[float, int, list[tuple[Hashable, float]]]]:
+        """Every queue's scale, count and (key, touch time) pairs in order, in the order the queues
+        were made (for tests: the compiled twin answers the same)."""
+        if self._core is not None:
+            return self._core.queues()
+        return [(scale, count, list(queue.items())) for (scale, count), queue in self._queues.items()]
+
     def __len__(self) -> int:
-        return len(self._queue_of)
+        return len(self._core) if self._core is not None else len(self._queue_of)
 
 
 class SelfTuner:
