@@ -8,13 +8,22 @@ FROM python:3.11.10-slim-bookworm AS base
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN groupadd --gid 10001 kvpool && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvpool
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY sidecar sidecar
 COPY operator operator
 
+# The wheel with its two C extensions (the frequency sketch's loop, the shadow caches), built where a
+# compiler is, so that the sidecar's image carries the compiled code and no compiler.
+FROM base AS wheel
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
+    && pip wheel --no-deps --wheel-dir /wheels . \
+    && python -c "import zipfile, glob; names = zipfile.ZipFile(glob.glob('/wheels/*.whl')[0]).namelist(); \
+assert any('_sketch' in n for n in names) and any('_shadow' in n for n in names), names"
+
 FROM base AS sidecar
 ARG TORCH_SPEC="torch==2.13.0"
-RUN pip install "${TORCH_SPEC}" && pip install . && rm -rf /root/.cache
+COPY --from=wheel /wheels /wheels
+RUN pip install "${TORCH_SPEC}" && pip install /wheels/*.whl && rm -rf /root/.cache /wheels
 USER 10001:10001
 EXPOSE 8000 9400
 ENTRYPOINT ["kvpool-sidecar"]
@@ -30,7 +39,7 @@ CMD ["run", "--liveness-port", "8080"]
 
 # vLLM's own image plus the connector (kvpool_sidecar.engines.vllm): torch and vllm come from the base.
 FROM vllm/vllm-openai:v0.32.0 AS vllm
-COPY pyproject.toml README.md /opt/kvpool/
+COPY pyproject.toml setup.py README.md /opt/kvpool/
 COPY sidecar /opt/kvpool/sidecar
 COPY operator /opt/kvpool/operator
 RUN pip install --no-deps /opt/kvpool && pip install "httpx>=0.27" "pydantic>=2.6" "pyyaml>=6" && rm -rf /root/.cache

@@ -15,7 +15,7 @@ from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig,
 from kvpool_sidecar.frequency import COUNT_CAP, FrequencySketch, ReuseByCount
 from kvpool_sidecar.pool import PagePool, tuning
 from kvpool_sidecar.pool.tuning import _DECIDE_EVERY, SampledPrompt, SelfTuner, ShadowCache
-from kvpool_sidecar.replay import parse_lines, replay_pool
+from kvpool_sidecar.replay import capacity_pages, parse_lines, replay_pool, trace_spec
 from kvpool_sidecar.replay.synth import generate
 from support import live_sidecar
 
@@ -168,6 +168,27 @@ def test_the_compiled_shadow_decides_exactly_as_the_python_one(weight):
             reference.score, reference.interval_hits, len(reference)), batch
         assert compiled.queues() == reference.queues(), batch
     assert reference.score > 10 and len(reference) == 60
+
+
+def test_without_a_compiler_the_policy_hits_and_switches_alike(monkeypatch):
+    """The package built without its C extensions (their Python references in their place) replays a
+    trace to the same hits, evictions, switches and shadow hit ratios."""
+    if not (frequency.NATIVE and tuning.COMPILED):
+        pytest.skip("the C extensions were not built: only the Python code runs")  # the tests above fail then
+    t = trace("mixed", 3000, seed=3)
+
+    def replayed() -> tuple:
+        pages, _ = capacity_pages(t, 0.01)
+        pool = PagePool(pages, trace_spec(t, "workload_adaptive"), clock=lambda: 0.0)
+        result = replay_pool(t, "workload_adaptive", 0.01, pool=pool)
+        return result.token_hit_ratio, result.evictions, pool.tuning()
+
+    compiled = replayed()
+    monkeypatch.setattr(frequency, "_count", frequency._count_python)
+    monkeypatch.setattr(tuning, "COMPILED", False)
+    python = replayed()
+    assert python == compiled
+    assert compiled[2]["toC"]["switches"] >= 1 and compiled[2]["toB"]["switches"] >= 1  # the tuners moved
 
 
 def test_the_reuse_curve_is_learned_from_counts_and_never_falls():
