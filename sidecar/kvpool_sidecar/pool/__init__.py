@@ -1,4 +1,4 @@
-"""The paged KV pool's bookkeeping (plain Python, no I/O); see :mod:`.pool` for its parts."""
+"""The paged KV pool's bookkeeping (no I/O; the shadow caches compiled where built); see :mod:`.pool` for its parts."""
 
 from kvpool_sidecar.errors import (
     DuplicateSequence,
