@@ -57,6 +57,7 @@ typedef struct {
     double *p;
     Py_ssize_t p_len;
     long long serial;
+    int busy; /* in a replay: a key's __hash__ or __eq__ calling back in is refused */
 } ShadowCore;
 
 /* ------------------------------------------------------------------------------ the key table */
@@ -349,6 +350,11 @@ load_curve(ShadowCore *s, PyObject *p)
     if (seq == NULL)
         return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n == 0) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "p must not be empty (a credit reads p[count])");
+        return -1;
+    }
     double *values = PyMem_Realloc(s->p, sizeof(double) * (size_t)(n ? n : 1));
     if (values == NULL) {
         Py_DECREF(seq);
@@ -579,6 +585,10 @@ core_replay(ShadowCore *s, PyObject *args)
     double score, interval;
     if (!PyArg_ParseTuple(args, "OOdd:replay", &prompts_obj, &p, &score, &interval))
         return NULL;
+    if (s->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "replay called again from inside a replay (a key's __hash__ or __eq__?)");
+        return NULL;
+    }
     if (p != s->loaded_p) {
         if (load_curve(s, p) < 0)
             return NULL;
@@ -588,18 +598,17 @@ core_replay(ShadowCore *s, PyObject *args)
     PyObject *prompts = PySequence_Fast(prompts_obj, "prompts must be a sequence");
     if (prompts == NULL)
         return NULL;
+    s->busy = 1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(prompts);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (replay_prompt(s, PySequence_Fast_GET_ITEM(prompts, i), &score, &interval) < 0) {
-            Py_DECREF(prompts);
-            return NULL;
-        }
-    }
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < n && !failed; i++)
+        failed = replay_prompt(s, PySequence_Fast_GET_ITEM(prompts, i), &score, &interval) < 0;
     Py_DECREF(prompts);
     Py_ssize_t over = s->len - s->capacity;
-    if (over > 0 && evict(s, over, p) < 0)
-        return NULL;
-    return Py_BuildValue("dd", score, interval);
+    if (!failed && over > 0)
+        failed = evict(s, over, p) < 0;
+    s->busy = 0;
+    return failed ? NULL : Py_BuildValue("dd", score, interval);
 }
 
 /* [(scale, count, [(key, touched), ...] in queue order), ...] in creation order (for tests). */

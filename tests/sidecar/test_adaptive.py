@@ -140,12 +140,17 @@ def test_the_compiled_sketch_refuses_cells_it_would_write_past():
     assert cells.count(0) == len(cells) - 2  # only the key before it was counted (two cells)
 
 
-@pytest.mark.parametrize("weight", [0.0, 0.03, 0.3])
-def test_the_compiled_shadow_decides_exactly_as_the_python_one(weight):
+def _compiled_shadow() -> None:
+    """make test (KVPOOL_REQUIRE_NATIVE) fails where the build lacks the compiled shadow."""
     if not tuning.COMPILED:
         if os.environ.get("KVPOOL_REQUIRE_NATIVE"):
             pytest.fail("kvpool_sidecar._shadow was not built (no C compiler at install?)")
         pytest.skip("kvpool_sidecar._shadow was not built: the Python shadow runs")
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.03, 0.3])
+def test_the_compiled_shadow_decides_exactly_as_the_python_one(weight):
+    _compiled_shadow()
     rng = random.Random(11)
     compiled, reference = ShadowCache(60, weight, compiled=True), ShadowCache(60, weight, compiled=False)
     hot: list = [rng.randbytes(8) for _ in range(30)]  # reused often: hits, moves between queues
@@ -168,6 +173,31 @@ def test_the_compiled_shadow_decides_exactly_as_the_python_one(weight):
             reference.score, reference.interval_hits, len(reference)), batch
         assert compiled.queues() == reference.queues(), batch
     assert reference.score > 10 and len(reference) == 60
+
+
+def test_the_compiled_shadow_refuses_what_it_cannot_rank_and_stays_whole():
+    _compiled_shadow()
+    shadow = ShadowCache(8, 0.3, compiled=True)
+    curve = list(ReuseByCount().p)
+    shadow.replay([SampledPrompt([1, 2, 3], [3, 2, 1], 600.0, 1.0, 1.0)], curve)
+    kept = shadow.queues()
+    with pytest.raises(ValueError, match="fewer counts"):
+        shadow.replay([SampledPrompt([4, 5], [1], 600.0, 2.0, 1.0)], curve)
+    with pytest.raises(ValueError, match="outside the curve"):
+        shadow.replay([SampledPrompt([4], [COUNT_CAP + 1], 600.0, 2.0, 1.0)], curve)
+    with pytest.raises(ValueError, match="empty"):
+        shadow.replay([SampledPrompt([4], [1], 600.0, 2.0, 1.0)], [])
+    with pytest.raises(TypeError):
+        shadow.replay([SampledPrompt([[4]], [1], 600.0, 2.0, 1.0)], curve)  # an unhashable key
+
+    class Reentrant:  # a key whose hash replays into the same shadow
+        def __hash__(self) -> int:
+            shadow.replay([], curve)
+            return 1
+
+    with pytest.raises(RuntimeError, match="inside a replay"):
+        shadow.replay([SampledPrompt([Reentrant()], [1], 600.0, 2.0, 1.0)], curve)
+    assert shadow.queues() == kept and len(shadow) == 3
 
 
 def test_without_a_compiler_the_policy_hits_and_switches_alike(monkeypatch):
