@@ -137,7 +137,8 @@ def main() -> None:
         mine = sorted(samples[name])
         p99 = mine[int(len(mine) * 0.99) - 1]
         median, mean = statistics.median(mine), statistics.fmean(mine)
-        print(f"{name:<22}{median:>10.2f}{p99:>10.2f}{mean:>10.2f}{statistics.median(ratios):>8.2f}", flush=True)
+        versus = "-" if args.alone else f"{statistics.median(ratios):.2f}"  # --alone: no LRU to divide by
+        print(f"{name:<22}{median:>10.2f}{p99:>10.2f}{mean:>10.2f}{versus:>8}", flush=True)
         if args.pages <= 100_000:
             for pool, _, _ in pair.values():
                 pool.check_invariants()
