@@ -394,6 +394,10 @@ evict(ShadowCore *s, Py_ssize_t over, PyObject *p)
             return -1;
     }
     while (over > 0) {
+        if (!s->heap_len) { /* every queue with keys has an entry: a bug, not an input */
+            PyErr_SetString(PyExc_RuntimeError, "shadow: keys over capacity and no queue head in the heap");
+            return -1;
+        }
         HeapItem *top = &s->heap[0];
         int32_t queue = top->queue;
         Queue *q = &s->queues[queue];
