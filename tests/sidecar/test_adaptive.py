@@ -10,6 +10,8 @@ import random
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvpool_sidecar import frequency
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, validate_config
 from kvpool_sidecar.frequency import COUNT_CAP, FrequencySketch, ReuseByCount
@@ -173,6 +175,32 @@ def test_the_compiled_shadow_decides_exactly_as_the_python_one(weight):
             reference.score, reference.interval_hits, len(reference)), batch
         assert compiled.queues() == reference.queues(), batch
     assert reference.score > 10 and len(reference) == 60
+
+
+_prompts = st.lists(  # small keys, few counts, equal times: hits, moves between queues, ties
+    st.tuples(st.lists(st.integers(0, 12), max_size=6), st.integers(1, COUNT_CAP), st.sampled_from([0.0, 1.0]),
+              st.sampled_from([600.0, 60.0])),
+    min_size=1, max_size=6)
+
+
+@given(capacity=st.integers(1, 6), weight=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+       batches=st.lists(_prompts, min_size=1, max_size=12))
+@settings(max_examples=150, deadline=None)
+def test_any_stream_leaves_the_compiled_and_python_shadows_alike(capacity, weight, batches):
+    _compiled_shadow()
+    compiled, reference = ShadowCache(capacity, weight, compiled=True), ShadowCache(capacity, weight, compiled=False)
+    curve = list(ReuseByCount().p)
+    now = 0.0
+    for batch in batches:
+        prompts = []
+        for keys, top, step, scale in batch:
+            now += step
+            counts = [max(1, top - depth) for depth in range(len(keys))]  # capped by the page above
+            prompts.append(SampledPrompt(keys, counts, scale, now, 0.9))
+        compiled.replay(prompts, curve)
+        reference.replay(prompts, curve)
+        assert compiled.queues() == reference.queues()
+        assert (compiled.score, compiled.interval_hits) == (reference.score, reference.interval_hits)
 
 
 def test_the_compiled_shadow_refuses_what_it_cannot_rank_and_stays_whole():
