@@ -17,9 +17,9 @@ the shadows see, so a lead that comes and goes must move nothing. It starts at t
 
 Cost: the shadows hold, together, ``candidates / sampleOneIn`` times the partition's keys (two dict
 entries each in Python; compiled, a 40-byte entry and two to four table slots) and do that share of
-its per-page work. No I/O. A shadow's replay runs compiled where
-the package was built with ``_shadow.c`` (its queues, table and heap in C, the same decisions, tie for
-tie); :class:`ShadowCache`'s own loops are its reference and run where it was not.
+its per-page work. No I/O. A shadow's replay runs compiled where the package was built with
+``_shadow.c`` (its queues, table and heap in C, the same decisions, tie for tie);
+:class:`ShadowCache`'s own loops are its reference and run where it was not.
 """
 
 from __future__ import annotations
@@ -86,7 +86,10 @@ class ShadowCache:
         self.weight = weight
         # The compiled twin of replay and _evict (_shadow.c), where it was built; this class's own
         # loops are its reference (compiled=False runs them).
-        self._core = _ShadowCore(self.capacity, weight) if (COMPILED if compiled is None else compiled) else None
+        compiled = COMPILED if compiled is None else compiled
+        if compiled and _ShadowCore is None:
+            raise RuntimeError("kvpool_sidecar._shadow was not built: only compiled=False can run here")
+        self._core = _ShadowCore(self.capacity, weight) if compiled else None
         self._queue_of: dict[Hashable, OrderedDict[Hashable, float]] = {}  # cached key -> its queue
         self._queues: dict[tuple[float, int], OrderedDict[Hashable, float]] = {}  # (scale, count) -> key -> touched
         # (a lower bound of a queue's head rank, a serial, the queue, the head it was made for)
