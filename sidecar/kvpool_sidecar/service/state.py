@@ -1,6 +1,6 @@
 """One sidecar's state: the pool, the config in force, metrics, and the serialised access to both.
 
-Pool operations are plain Python that take microseconds to a few hundred microseconds: they run
+Pool operations are Python (two hot loops compiled) that take microseconds to a few hundred microseconds: they run
 inline on the event loop under an asyncio lock, which serialises them without a thread hop (a
 thread would make every call wait for the GIL behind the other). Work that can take milliseconds
 (an admission that evicts thousands of pages, a policy switch that re-inserts every cached page)
