@@ -18,7 +18,7 @@ FROM base AS wheel
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
     && pip wheel --no-deps --wheel-dir /wheels . \
     && python -c "import zipfile, glob; names = zipfile.ZipFile(glob.glob('/wheels/*.whl')[0]).namelist(); \
-assert any('_sketch' in n for n in names) and any('_shadow' in n for n in names), names"
+assert all(any(n.startswith('kvpool_sidecar/' + m) and n.endswith('.so') for n in names) for m in ('_sketch', '_shadow')), names"
 
 FROM base AS sidecar
 ARG TORCH_SPEC="torch==2.13.0"
