@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports
 
 # KVPOOL_REQUIRE_ENGINE: the engine tests fail, not skip, when vLLM is missing; KVPOOL_REQUIRE_NATIVE:
-# the compiled sketch's tests fail, not skip, when the install did not build it.
+# the compiled sketch's and shadow's tests fail, not skip, when the install did not build them.
 test: lint system-deps
 	KVPOOL_REQUIRE_ENGINE=1 KVPOOL_REQUIRE_NATIVE=1 $(VENV)/bin/pytest
 

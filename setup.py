@@ -2,7 +2,7 @@
 
 Two hot loops of the default eviction policy in C, each beside the Python it replaces (which stays as
 its reference, and runs where no compiler is found: the extensions are optional):
-``kvpool_sidecar._sketch`` (the frequency sketch's per-key loop; ``frequency.NATIVE`` says which
+``kvpool_sidecar._sketch`` (the frequency sketch's per-key loop; ``frequency.COMPILED`` says which
 runs) and ``kvpool_sidecar._shadow`` (a self-tuner's shadow cache; ``tuning.COMPILED``).
 """
 

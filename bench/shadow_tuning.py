@@ -19,14 +19,9 @@ import argparse
 from kvpool_sidecar.pool import PagePool
 from kvpool_sidecar.replay import read_trace
 from kvpool_sidecar.replay.run import capacity_pages, serve_request, trace_spec
-from kvpool_sidecar.replay.trace import Request, Trace
+from kvpool_sidecar.replay.trace import Trace
 
 CANDIDATES = ("lru", "workload_aware")
-
-
-def served(pool: PagePool, seq: str, req: Request) -> int:
-    cached = serve_request(pool, seq, req)
-    return cached if cached >= 0 else ~cached
 
 
 def replay(trace: Trace, capacity: float, fixed: str | None, sample: int, horizon: int, margin: float
@@ -41,13 +36,13 @@ def replay(trace: Trace, capacity: float, fixed: str | None, sample: int, horizo
     decay = 1.0 - 1.0 / horizon
     hit = total = switches = 0
     for i, req in enumerate(trace.requests):
-        hit += served(live, str(i), req)
+        hit += serve_request(live, str(i), req).cached
         total += req.input_length
         if fixed or (int(req.hash_ids[0]) * 2654435761) % (1 << 32) % sample:
             continue
         for policy, shadow in shadows.items():
             acc = score[policy]
-            acc[0] = acc[0] * decay + served(shadow, str(i), req)
+            acc[0] = acc[0] * decay + serve_request(shadow, str(i), req).cached
             acc[1] = acc[1] * decay + req.input_length
         ratio = {p: acc[0] / acc[1] if acc[1] else 0.0 for p, acc in score.items()}
         best = max(ratio, key=ratio.__getitem__)

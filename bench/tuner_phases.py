@@ -32,8 +32,7 @@ def cached_tokens(trace: Trace, pages: int, policy: str, spec: KVCachePolicySpec
     out: list[int] = []
     switches = 0
     for i, req in enumerate(trace.requests):
-        cached = serve_request(pool, str(i), req)
-        out.append(cached if cached >= 0 else ~cached)
+        out.append(serve_request(pool, str(i), req).cached)
         if watch is not None and sum(pool.tuning_switches) != switches:
             switches = sum(pool.tuning_switches)
             watch.append((i, ", ".join(f"{part} {state['reuse_weight']:g}" for part, state in pool.tuning().items())))

@@ -88,7 +88,7 @@ try:  # the compiled loop, where the package was built with it (see _sketch.c)
     from kvpool_sidecar._sketch import count as _count
 except ImportError:  # pragma: no cover - a build without a C compiler
     _count = _count_python
-NATIVE = _count is not _count_python
+COMPILED = _count is not _count_python  # as pool.tuning.COMPILED says of the shadows
 
 
 class FrequencySketch:

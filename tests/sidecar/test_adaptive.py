@@ -105,12 +105,17 @@ def test_the_sketch_counts_prompts_keeps_counts_past_eviction_and_stays_bounded(
     assert [sketch.count(k) for k in ("a", "b", ("fill", 7))] == [c // 2 for c in counts]
 
 
-def _compiled_count():
-    """The compiled sketch loop; make test (KVPOOL_REQUIRE_NATIVE) fails where the build lacks it."""
-    if not frequency.NATIVE:
+def _require_compiled(built: bool, module: str) -> None:
+    """make test (KVPOOL_REQUIRE_NATIVE) fails where the build lacks ``module``; elsewhere it skips."""
+    if not built:
         if os.environ.get("KVPOOL_REQUIRE_NATIVE"):
-            pytest.fail("kvpool_sidecar._sketch was not built (no C compiler at install?)")
-        pytest.skip("kvpool_sidecar._sketch was not built: the Python loop runs")
+            pytest.fail(f"kvpool_sidecar.{module} was not built (no C compiler at install?)")
+        pytest.skip(f"kvpool_sidecar.{module} was not built: its Python reference runs")
+
+
+def _compiled_count():
+    """The compiled sketch loop."""
+    _require_compiled(frequency.COMPILED, "_sketch")
     return frequency._count
 
 
@@ -143,11 +148,7 @@ def test_the_compiled_sketch_refuses_cells_it_would_write_past():
 
 
 def _compiled_shadow() -> None:
-    """make test (KVPOOL_REQUIRE_NATIVE) fails where the build lacks the compiled shadow."""
-    if not tuning.COMPILED:
-        if os.environ.get("KVPOOL_REQUIRE_NATIVE"):
-            pytest.fail("kvpool_sidecar._shadow was not built (no C compiler at install?)")
-        pytest.skip("kvpool_sidecar._shadow was not built: the Python shadow runs")
+    _require_compiled(tuning.COMPILED, "_shadow")
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.03, 0.3])
@@ -231,7 +232,7 @@ def test_the_compiled_shadow_refuses_what_it_cannot_rank_and_stays_whole():
 def test_without_a_compiler_the_policy_hits_and_switches_alike(monkeypatch):
     """The package built without its C extensions (their Python references in their place) replays a
     trace to the same hits, evictions, switches and shadow hit ratios."""
-    if not (frequency.NATIVE and tuning.COMPILED):
+    if not (frequency.COMPILED and tuning.COMPILED):
         pytest.skip("the C extensions were not built: only the Python code runs")  # the tests above fail then
     t = trace("mixed", 3000, seed=3)
 

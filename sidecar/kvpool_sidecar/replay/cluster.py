@@ -69,10 +69,8 @@ def replay_cluster(
         if key is not None:
             seen.add(key)
         pod = router.route_key(key, req.timestamp).pod
-        cached = serve_request(pools[pod], str(i), req)
-        if cached < 0:
-            cached = ~cached
-            oversized += 1
+        cached, uncached = serve_request(pools[pod], str(i), req)
+        oversized += uncached
         requests[pod] += 1
         tokens[pod] += req.input_length
         hit_tokens += cached

@@ -11,7 +11,7 @@ import heapq
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.pool import TO_B, PagePool, PoolExhausted
@@ -92,10 +92,8 @@ def replay_pool(
     class_hits: dict[str, list[int]] = {}
     start = time.perf_counter()
     for i, req in enumerate(trace.requests):
-        cached = serve_request(pool, str(i), req)
-        if cached < 0:
-            cached = ~cached
-            oversized += 1
+        cached, uncached = serve_request(pool, str(i), req)
+        oversized += uncached
         hit_tokens += cached
         hit_blocks += cached // block
         total_blocks += len(req.hash_ids)
@@ -112,22 +110,25 @@ def replay_pool(
     )
 
 
-def serve_request(pool: PagePool, seq: str, req: Request) -> int:
-    """One request as an engine runs it: admit, compute and commit the whole prompt, release.
+class Served(NamedTuple):
+    """What one replayed request got from the pool."""
 
-    Returns the cached tokens, or their bitwise complement for a prompt larger than its whole
-    partition (it runs uncached; its hits still count).
-    """
+    cached: int  # prompt tokens found cached
+    oversized: bool  # larger than its whole partition: it ran uncached (its hits still count)
+
+
+def serve_request(pool: PagePool, seq: str, req: Request) -> Served:
+    """One request as an engine runs it: admit, compute and commit the whole prompt, release."""
     now = req.timestamp
     try:
         cached = pool.admit(
             seq, block_hashes=req.hash_ids, num_tokens=req.input_length, meta=req.meta, now=now
         ).num_cached_tokens
     except PoolExhausted:
-        return ~pool.lookup(block_hashes=req.hash_ids, num_tokens=req.input_length, meta=req.meta)
+        return Served(pool.lookup(block_hashes=req.hash_ids, num_tokens=req.input_length, meta=req.meta), True)
     pool.commit(seq, req.input_length, now=now)
     pool.release(seq, now=now)
-    return cached
+    return Served(cached, False)
 
 
 def replay_reference(trace: Trace, policy: str, capacity: float) -> ReplayResult:
