@@ -80,6 +80,11 @@ def sections(synth_dir: str) -> list[Section]:
                 "Token hit ratio of LRU, the self-tuned default and each candidate weight held fixed, over "
                 "eighths of the requests, and the tuner's switches: where its gap to the best fixed weight lies.",
                 ["python", "bench/tuner_phases.py", "--capacity", "0.05"]),
+        Section("Issue 19's recipe, measured",
+                "The recipe the issue gives as a floor (t_last + S * min(log2 count, 3), counts kept by an exact "
+                "ghost of 4x the capacity, S chosen online by unsampled shadows), replayed standalone on the "
+                "conversation trace beside the pool's LRU and default policy.",
+                ["python", "bench/recipe_floor.py"]),
         Section("Pool operations", "Page ops per second of the LRU pool replaying the conversation trace, and "
                 "Python memory per cached page of a 1,000,000-page pool.", ["python", "bench/pool_ops.py"]),
         Section("Eviction cost", "Per evicted page, each policy, a full pool of 1,000,000 pages; memory per cached "
