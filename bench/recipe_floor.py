@@ -27,15 +27,13 @@ from collections import OrderedDict
 from pathlib import Path
 
 from kvpool_sidecar.frequency import mixed_hash
-from kvpool_sidecar.replay import read_trace, synth
-from kvpool_sidecar.replay.run import capacity_pages, replay_pool
-from kvpool_sidecar.replay.trace import Trace, parse_lines
+from kvpool_sidecar.replay.run import capacity_pages, replay_pool, token_hits
+from kvpool_sidecar.replay.trace import Trace
+from policy_matrix import load
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 CANDIDATES = (0.0, 2.0, 8.0, 30.0, 60.0, 120.0, 240.0)  # the recipe's S, seconds
 HORIZON = 1000.0  # requests the shadows' hits decay over
 MARGIN = 0.02
-COUNT_CAP = 15
 
 
 class RecipeCache:
@@ -77,8 +75,7 @@ class RecipeCache:
         ranked: list[tuple[float, int]] = []
         ceiling = math.inf
         for key in keys[:full]:
-            known = self._count[key] if key in self._touched else self._ghost.pop(key, 0)
-            count = min(known + 1, COUNT_CAP)
+            count = (self._count[key] if key in self._touched else self._ghost.pop(key, 0)) + 1
             self._count[key], self._touched[key] = count, now
             ceiling = min(now + self._credit(count), ceiling)
             self._rank[key] = ceiling
@@ -97,22 +94,11 @@ class RecipeCache:
         return hits
 
 
-def load(name: str, requests: int) -> Trace:
-    """A trace file, or ``profile:seed`` for a synth trace of ``requests`` requests."""
-    if ":" in name and not Path(name).exists():
-        profile, seed = name.split(":")
-        return parse_lines(synth.generate(profile, requests, int(seed)), name)
-    return read_trace(Path(name))
-
-
-def token_hits(trace: Trace, hit_pages: int, input_length: int) -> int:
-    return min(hit_pages * trace.block_size, input_length)
-
-
 def fixed(trace: Trace, pages: int, credit_seconds: float, ghost: float) -> float:
     cache = RecipeCache(pages, credit_seconds, ghost)
-    hit = sum(token_hits(trace, cache.request(r.hash_ids, r.input_length // trace.block_size, r.timestamp),
-                         r.input_length) for r in trace.requests)
+    block = trace.block_size
+    hit = sum(token_hits(cache.request(r.hash_ids, r.input_length // block, r.timestamp), block, r.input_length)
+              for r in trace.requests)
     return hit / sum(r.input_length for r in trace.requests)
 
 
@@ -127,7 +113,7 @@ def tuned(trace: Trace, pages: int, ghost: float, one_in: int) -> tuple[float, l
     hit = 0
     for i, r in enumerate(trace.requests):
         full = r.input_length // trace.block_size
-        hit += token_hits(trace, live.request(r.hash_ids, full, r.timestamp), r.input_length)
+        hit += token_hits(live.request(r.hash_ids, full, r.timestamp), trace.block_size, r.input_length)
         sampled = [k for k in r.hash_ids[:full] if mixed_hash(k) % one_in == 0]
         for j, shadow in enumerate(shadows):
             scores[j] = scores[j] * decay + shadow.request(sampled, len(sampled), r.timestamp)
@@ -141,7 +127,8 @@ def tuned(trace: Trace, pages: int, ghost: float, one_in: int) -> tuple[float, l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", default=str(TRACE), help="a trace file or profile:seed (synth)")
+    parser.add_argument("--trace", default="mooncake_conversation.jsonl",
+                        help="a file of ../shared/traces, a path, or profile:seed (synth)")
     parser.add_argument("--requests", type=int, default=4000, help="requests of a synth trace")
     parser.add_argument("--capacity", type=float, action="append", help="fraction of distinct blocks (repeatable)")
     parser.add_argument("--sample-one-in", type=int, default=1, help="the shadows' page-key sample")

@@ -43,6 +43,12 @@ class ReplayResult:
         return asdict(self)
 
 
+def token_hits(hit_blocks: int, block_size: int, input_length: int) -> int:
+    """The tokens a request's ``hit_blocks`` cached leading blocks spare it (a trailing partial
+    block counts its own tokens only)."""
+    return min(hit_blocks * block_size, input_length)
+
+
 def capacity_pages(trace: Trace, capacity: float) -> tuple[int, float]:
     """A capacity of at most 1 is a fraction of the trace's distinct blocks, otherwise a page count."""
     if capacity <= 0:
@@ -158,7 +164,7 @@ def replay_reference(trace: Trace, policy: str, capacity: float) -> ReplayResult
         hits = 0
         while hits < full and ids[hits] in cached:
             hits += 1
-        hit_tokens += min(hits * block, req.input_length)
+        hit_tokens += token_hits(hits, block, req.input_length)
         hit_blocks += hits
         total_blocks += len(ids)
         current = set(ids[:full])
