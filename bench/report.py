@@ -69,6 +69,10 @@ def sections(synth_dir: str) -> list[Section]:
                 "brackets), the shipped traces and 4,000-request synth traces of each profile, seeds 1-4; "
                 "the rule (issue 19) is never more than 0.002 below.",
                 ["python", "bench/policy_matrix.py", "--requests", "4000"]),
+        Section("Never below LRU on unseen seeds: synth seeds 5-8",
+                "The same matrix on synth traces of seeds 5-8, which no recorded measurement used before "
+                "session 17: how the rule holds on workloads the policy was not tuned to.",
+                ["python", "bench/policy_matrix.py", "--requests", "4000", "--seeds", "5,6,7,8", "--no-shipped"]),
         Section("Replay time, default policy against LRU", "The conversation trace replayed by each, in "
                 "alternation; medians and their ratio.", ["python", "bench/replay_time.py"]),
         Section("Replay time in instructions (cachegrind), default policy against LRU",
