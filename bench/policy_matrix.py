@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the cells here")
     parser.add_argument("--verbose", action="store_true", help="each cell to stderr as it comes")
     args = parser.parse_args()
+    if args.no_shipped and args.trace:
+        parser.error("--no-shipped: --trace names the traces itself (give one or the other)")
     policies = args.policy or ["workload_adaptive"]
     capacities = args.capacity or list(CAPACITIES)
     shipped = [] if args.no_shipped else ["mooncake_conversation.jsonl", "mooncake_synthetic.jsonl"]
