@@ -336,6 +336,31 @@ def test_a_steady_lead_under_the_margin_per_request_is_adopted_once_it_adds_up(m
     assert steady_small_lead_adopted_at(2000) is None
 
 
+def adopted_after_a_losing_phase(intervals: int) -> int | None:
+    """The interval at which a challenger is adopted that trailed the candidate in force by 10 % in
+    each of 300 intervals and then leads it by 10 % in each; None if not within ``intervals``."""
+    tuner = lru_and_credit()
+    lru, credit = tuner.shadows
+    lru.score = 1000.0
+    decay = math.exp(-_DECIDE_EVERY / SidecarConfig().eviction.selfTuning.horizonRequests)
+    for interval in range(-300, intervals):
+        lru.interval_hits, credit.interval_hits = 100.0, (90.0 if interval < 0 else 110.0)
+        tuner._interval_decay = decay
+        if tuner._decide():
+            assert interval >= 0, "adopted while it trailed"
+            return interval
+    return None
+
+
+def test_a_candidate_worse_in_an_earlier_phase_is_adopted_soon_after_it_leads(monkeypatch):
+    """A lead is floored at minus one margin: a candidate outgrown in one phase and right in the next
+    is chosen within a few intervals of the change, not after repaying the phase it lost."""
+    adopted = adopted_after_a_losing_phase(200)
+    assert adopted is not None and adopted < 16
+    monkeypatch.setattr(tuning, "LEAD_FLOOR", math.inf)  # no floor: the lost phase is repaid first
+    assert adopted_after_a_losing_phase(100) is None  # (at interval 163)
+
+
 @pytest.mark.parametrize(("profile", "capacity"), [("to-c", 0.02), ("scan", 0.0025), ("to-b-burst", 0.01)])
 def test_self_tuned_never_loses_to_lru_on_what_it_was_not_built_for(profile, capacity):
     """The rule of issue 19 on three small traces (bench/policy_matrix.py runs the whole matrix)."""

@@ -9,11 +9,11 @@ the same share of the partition's pages. It ranks pages by the live policy's own
 (:func:`~kvpool_sidecar.policies.credit_scale`, counts from the same sketch), exactly. Its hit pages
 decay over ``horizonRequests`` requests. Every 16 sampled prompts the tuner adds each challenger's
 lead over the candidate in force (hits in that interval; the leads decay over :data:`LEAD_MEMORY`
-times that horizon and start again at each switch); the live policy moves to the
-challenger whose lead is both over ``marginPercent`` of the in-force score and consistent (over
-:data:`SIGNIFICANCE` times the root of the leads' squares): a switch costs the live cache more than
-the shadows see, so a lead that comes and goes must move nothing. It starts at the smallest weight
-(LRU by default), so a tuner that has seen little changes nothing.
+times that horizon, start again at each switch and never fall below :data:`LEAD_FLOOR` margins);
+the live policy moves to the challenger whose lead is both over ``marginPercent`` of the in-force
+score and consistent (over :data:`SIGNIFICANCE` times the root of the leads' squares): a switch costs
+the live cache more than the shadows see, so a lead that comes and goes must move nothing. It starts
+at the smallest weight (LRU by default), so a tuner that has seen little changes nothing.
 
 Cost: the shadows hold, together, ``candidates / sampleOneIn`` times the partition's keys (two dict
 entries each in Python; compiled, a 40-byte entry and two to four table slots) and do that share of
@@ -57,6 +57,12 @@ SIGNIFICANCE = 2.0
 # margin per request never added up to it: unsampled shadows held LRU for a third of the chat trace
 # at 10 % (0.2986; a quarter and 0.2998 with this memory).
 LEAD_MEMORY = 4.0
+# A lead is never below minus this many margins (its squares then start again from the floor's): a
+# candidate that was worse in an earlier phase is not made to repay that phase once it leads. Without
+# it, a weight chosen rightly and then outgrown held for thousands of requests: on the to-b-burst
+# synth trace of seed 5 at 2 % the default stayed at 0.1 to the end (0.0034 under LRU; 0.0016 with
+# the floor, and no row of the shipped traces and synth seeds 1-8 more than 0.002 under LRU).
+LEAD_FLOOR = 1.0
 
 
 class SampledPrompt(NamedTuple):
@@ -302,10 +308,13 @@ class SelfTuner:
         current = self.current
         decay, self._interval_decay = self._interval_decay ** (1.0 / LEAD_MEMORY), 1.0
         best: ShadowCache | None = None
+        floor = -LEAD_FLOOR * self._margin * current.score
         for shadow in self.shadows:
             lead = shadow.interval_hits - current.interval_hits
             shadow.lead = shadow.lead * decay + lead
             shadow.lead_squares = shadow.lead_squares * decay + lead * lead
+            if shadow.lead < floor:
+                shadow.lead, shadow.lead_squares = floor, floor * floor
         for shadow in self.shadows:
             shadow.interval_hits = 0.0
             if (shadow is not current and shadow.lead > self._margin * current.score
