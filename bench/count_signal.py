@@ -31,8 +31,9 @@ def count_class(count: int) -> int:
     return 2 if count <= 4 else 3 if count <= 8 else 4
 
 
-def reuse_by_count(trace: Trace, within: int, segments: int) -> list[list[tuple[int, int]]]:
-    """Per segment, per count class: (pages, pages contained again within ``within`` requests)."""
+def reuse_by_count(trace: Trace, within: int, bounds: list[int]) -> list[list[tuple[int, int]]]:
+    """Per segment ``bounds[k]:bounds[k + 1]`` of the requests, per count class: (pages, pages
+    contained again within ``within`` requests)."""
     requests = trace.requests
     n = len(requests)
     next_use: list[list[int]] = [[] for _ in range(n)]
@@ -42,15 +43,17 @@ def reuse_by_count(trace: Trace, within: int, segments: int) -> list[list[tuple[
         for h in requests[i].hash_ids:
             seen_at[h] = i
     counts: defaultdict[int, int] = defaultdict(int)
-    out = [[(0, 0) for _ in CLASSES] for _ in range(segments)]
-    for i, req in enumerate(requests):
-        row = out[min(i * segments // n, segments - 1)]
-        for h, later in zip(req.hash_ids, next_use[i], strict=True):
-            counts[h] += 1
-            if i + within < n:
-                k = count_class(counts[h])
-                pages, reused = row[k]
-                row[k] = (pages + 1, reused + (later - i <= within))
+    out: list[list[tuple[int, int]]] = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        row = [(0, 0)] * len(CLASSES)
+        for i in range(start, end):
+            for h, later in zip(requests[i].hash_ids, next_use[i], strict=True):
+                counts[h] += 1
+                if i + within < n:
+                    k = count_class(counts[h])
+                    pages, reused = row[k]
+                    row[k] = (pages + 1, reused + (later - i <= within))
+        out.append(row)
     return out
 
 
@@ -70,8 +73,7 @@ def main() -> None:
         print(f"\n{name}: P(reused within {args.within} requests | count), by segment of requests")
         print(f"{'requests':>13} {'seconds':>8} {'pages/s':>8} {'later':>6}  " + "".join(f"{c:>15}" for c in CLASSES))
         bounds = [n * k // args.segments for k in range(args.segments + 1)]
-        rows = reuse_by_count(trace, args.within, args.segments)
-        for (start, end), row in zip(zip(bounds, bounds[1:], strict=False), rows, strict=True):
+        for start, end, row in zip(bounds, bounds[1:], reuse_by_count(trace, args.within, bounds), strict=False):
             if end <= start:
                 continue
             span = requests[end - 1].timestamp - requests[start].timestamp
@@ -79,7 +81,6 @@ def main() -> None:
             later = sum(r.meta.turn > 0 for r in requests[start:end]) / (end - start)
             rates = "".join(f"{(hit / seen if seen else float('nan')):>7.2f} ({seen:>5})" for seen, hit in row)
             print(f"{start:>6}-{end:<6} {span:8.0f} {pages / max(span, 1e-9):8.0f} {later:6.0%}  {rates}")
-
 
 if __name__ == "__main__":
     main()
