@@ -54,7 +54,7 @@ def main() -> None:
     switches: list[tuple[int, str]] = []
     runs = {"lru": cached_tokens(trace, pages, "lru", None),
             "tuned": cached_tokens(trace, pages, "workload_adaptive", adaptive_spec(base, None), switches)}
-    for weight in args.weight or base.eviction.selfTuning.reuseWeights:
+    for weight in args.weight or base.eviction.selfTuning.candidates(to_b=False):
         runs[f"w={weight:g}"] = cached_tokens(trace, pages, "workload_adaptive", adaptive_spec(base, weight))
     tokens = [r.input_length for r in trace.requests]
     n = len(tokens)

@@ -40,6 +40,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             continue
         if key == "additionalProperties" and value is False:
             continue  # structural schemas prune unknown fields instead (the sidecar forbids them too)
+        if key == "default" and value is None:
+            continue  # unset is the default: the API server leaves the field out and the model fills it
         if key == "anyOf" and any(v.get("type") == "null" for v in value):
             rest = [v for v in value if v.get("type") != "null"]
             merged = _structural(rest[0], defs) if len(rest) == 1 else {"anyOf": _structural(rest, defs)}

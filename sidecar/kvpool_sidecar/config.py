@@ -155,18 +155,23 @@ class Weights(_Model):
         return self
 
 
-# Log-spaced; 0 is LRU. Beyond 0.3 (a chat page seen often held about half an hour longer) the
-# weight won nowhere measured, and when the traffic turned it lost the most before the tuner followed.
-DEFAULT_REUSE_WEIGHTS = (0.0, 0.01, 0.03, 0.1, 0.2, 0.3)
+# Each partition's candidates, 0 (LRU) first. The to-B partition's weigh the learned P(reuse | count)
+# (up to about 0.85): beyond 0.3 (a page seen often held about half an hour longer) the weight won
+# nowhere measured, and when the traffic turned it lost the most before the tuner followed. The shared
+# partition's weigh the count's lift over a first-seen page (at most 0.5, CountLift), doubling from
+# 0.03: the top credit is about the same, with a finer step where chat's choice lies (0.03-0.12).
+DEFAULT_REUSE_WEIGHTS = (0.0, 0.008, 0.03, 0.06, 0.12, 0.24)
+DEFAULT_TO_B_REUSE_WEIGHTS = (0.0, 0.01, 0.03, 0.1, 0.2, 0.3)
 
 
 class SelfTuning(_Model):
     """Online choice of the reuse weight of workload_adaptive: sampled shadow caches replay the request stream under each candidate, and the live policy follows the best, with hysteresis."""  # noqa: E501 (one line: the CRD's description)
 
     enabled: bool = Field(default=True, description="off: the configured weights are used as they are")
-    reuseWeights: list[Annotated[float, Field(ge=0, le=1)]] = Field(
-        default_factory=lambda: list(DEFAULT_REUSE_WEIGHTS), min_length=1, max_length=16,
-        description="candidate alphas (0 is plain LRU); the tuner starts at the smallest",
+    reuseWeights: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(
+        default=None, min_length=1, max_length=16,
+        description="candidate alphas (0 is plain LRU) for every partition; the tuner starts at the smallest. "
+                    "Unset: each partition's own (shared 0-0.24, to-B 0-0.3)",
     )
     sampleOneIn: Literal[1, 2, 4, 8, 16, 32] = Field(
         default=32,
@@ -179,10 +184,18 @@ class SelfTuning(_Model):
 
     @field_validator("reuseWeights")
     @classmethod
-    def _distinct(cls, weights: list[float]) -> list[float]:
+    def _distinct(cls, weights: list[float] | None) -> list[float] | None:
+        if weights is None:
+            return None
         if len(set(weights)) != len(weights):
             raise ValueError("candidates must be distinct")
         return sorted(weights)
+
+    def candidates(self, to_b: bool) -> list[float]:
+        """The candidate weights of the shared partition or (``to_b``) of the to-B one."""
+        if self.reuseWeights is not None:
+            return list(self.reuseWeights)
+        return list(DEFAULT_TO_B_REUSE_WEIGHTS if to_b else DEFAULT_REUSE_WEIGHTS)
 
 
 class Eviction(_Model):

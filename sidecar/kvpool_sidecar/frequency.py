@@ -25,12 +25,18 @@ and :func:`_count_python`, its reference, where not.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 COUNT_CAP = 15  # counters saturate here; the reuse curve is flat beyond a few counts anyway
 SLOTS_PER_PAGE = 32  # cells per pool page for each of a key's two cells (rounded up to a power of two)
 PERIOD_PER_PAGE = 16  # increments per pool page between two halvings
+# Floors under both, so that a small pool's counts outlive more than a few hundred requests: at 913
+# pages (chat at 0.5 %) the per-page sizes alone halve every 14,600 increments, about 600 chat
+# requests, and a count of 2-8 is then a recent repeat that says little (see CountLift).
+MIN_CELLS = 1 << 19  # 512 KiB
+MIN_PERIOD = 65_536
 # A multiply, xor-shift, multiply mix (splitmix64's finaliser, shortened): Python's hash of an int is
 # the int, and a multiply alone is linear, so a range of trace ids shifted by a constant would land
 # on a shifted copy of the cells of the range before it (72 % false counts where 12 % is due).
@@ -101,12 +107,12 @@ class FrequencySketch:
     def size_for(self, pages: int) -> None:
         """Room for a pool of ``pages`` (all counts forgotten); 0 releases the memory."""
         cells = _LINE
-        while cells < 2 * pages * SLOTS_PER_PAGE:
+        while cells < max(2 * pages * SLOTS_PER_PAGE, MIN_CELLS if pages else 0):
             cells <<= 1
         self.pages = pages
         self._line_mask = cells // _LINE - 1
         self._cells = bytearray(cells)
-        self._period = max(pages, 1) * PERIOD_PER_PAGE
+        self._period = max(pages * PERIOD_PER_PAGE, MIN_PERIOD)
         self._added = 0
 
     @property
@@ -182,9 +188,99 @@ class ReuseByCount:
             self.p = p
 
 
+# The shared partition's credit by count (CountLift): 0.5 min(log2 c, 3) / 3, about how much more
+# often than a first-seen page a page seen c times comes back on chat (0.26 once; 0.42 twice, 0.52 three or
+# four times, 0.70 up to eight: +0.16 / +0.26 / +0.44), flat from 8 on.
+LIFT_SHAPE = tuple(0.5 * min(math.log2(c), 3.0) / 3.0 if c else 0.0 for c in range(COUNT_CAP + 1))
+LIFT_GATED = range(2, 9)  # the counts the lift scales; 9 and up (templates every prompt sends) keep the shape
+LIFT_FULL = 0.5  # pages seen 2-8 times coming back this much (relatively) more often than once-seen ones: lift 1
+LIFT_MEMORY_PER_PAGE = 4  # increments per pool page between two halvings of the lift's flows ...
+LIFT_MEMORY_FLOOR = 65_536  # ... and at least this many
+LIFT_EVIDENCE = 64.0  # arrivals at count 1 and at counts 2-8 before the lift is measured (1 until then)
+
+
+class CountLift:
+    """The shared partition's credit by count: :data:`LIFT_SHAPE`, with counts 2-8 scaled by the
+    count's measured lift.
+
+    Whether a count predicts reuse depends on the traffic. On chat a page seen 2-8 times comes back
+    1.5-3 times as often as a page seen once; where only long-running conversations continue (every
+    prompt a later turn), a conversation's newest pages come back as often as its oldest, the count
+    only says how many turns ago a page was sent, and any credit for it loses to LRU. The lift is
+    ``clamp((P_mid - P_1) / (LIFT_FULL P_1), 0, 1)``, P_1 the rate at which keys at count 1 reach 2
+    and P_mid the pooled rate at which keys at counts 2-8 reach one more, from the sketch's
+    increments (``arrivals`` as in :class:`ReuseByCount`) with their own, shorter memory: halved every
+    ``max(LIFT_MEMORY_PER_PAGE x pool pages, LIFT_MEMORY_FLOOR)`` increments, so a change of traffic
+    shows within a few pools' worth of prompts (the sketch's own period is 16). The credit stays a
+    probability's difference: ``p[c]`` is how much more likely than a first-seen page a page at count c
+    is to come back, so it is non-decreasing in c and 0 at count 1, and the policy's order stays
+    prefix-closed.
+    """
+
+    def __init__(self, pages: int = 0) -> None:
+        self.arrivals = [0.0] * (COUNT_CAP + 2)
+        self.lift = 1.0
+        self.p = self._curve(1.0)
+        self._since = 0
+        self._added = 0
+        self.size_for(pages)
+
+    def size_for(self, pages: int) -> None:
+        """The memory for a pool of ``pages`` (the flows learned so far are kept)."""
+        self.memory = max(LIFT_MEMORY_PER_PAGE * pages, LIFT_MEMORY_FLOOR)
+
+    @staticmethod
+    def _curve(lift: float) -> list[float]:
+        return [shape * lift if c in LIFT_GATED else shape for c, shape in enumerate(LIFT_SHAPE)]
+
+    def observe(self, before: Sequence[int], halvings: int = 0) -> None:
+        """One request's counts before its increments (:meth:`FrequencySketch.add`); the sketch's
+        ``halvings`` are not followed (the flows keep their own memory)."""
+        arrivals = self.arrivals
+        for count in before:
+            arrivals[count + 1] += 1.0
+        self._added += len(before)
+        if self._added >= self.memory:
+            self._added = 0
+            for c in range(len(arrivals)):
+                arrivals[c] *= 0.5
+        self._since += len(before)
+        if self._since >= _REFIT_EVERY:
+            self._since = 0
+            self.refit()
+
+    def measured_lift(self) -> float:
+        """The lift the flows show now (1 while they are too few to say)."""
+        arrivals = self.arrivals
+        gated = sum(arrivals[c] for c in LIFT_GATED)
+        if arrivals[1] < LIFT_EVIDENCE or gated < LIFT_EVIDENCE:
+            return 1.0
+        once = arrivals[2] / arrivals[1]
+        more = sum(arrivals[c + 1] for c in LIFT_GATED) / gated
+        if once <= 0.0:
+            return 1.0 if more > 0.0 else 0.0
+        return min(max((more - once) / (LIFT_FULL * once), 0.0), 1.0)
+
+    def refit(self) -> None:
+        # As ReuseByCount's: a curve that moves the credit by less than the tolerance ranks as the old.
+        lift = self.measured_lift()
+        if abs(lift - self.lift) * max(LIFT_SHAPE[c] for c in LIFT_GATED) >= REFIT_TOLERANCE:
+            self.lift = lift
+            self.p = self._curve(lift)
+
+
+class CountCurve(Protocol):
+    """What policies and the self-tuner read of a partition's curve: its credit per count (replaced,
+    not changed in place, when it is refitted), and what the pool feeds it."""
+
+    p: Sequence[float]
+
+    def observe(self, before: Sequence[int], halvings: int) -> None: ...
+
+
 class FrequencyView(NamedTuple):
     """What a policy reads of the pool's page frequencies: each page's count when it was last
-    admitted (indexed by page id, kept by the pool) and its partition's reuse-by-count curve."""
+    admitted (indexed by page id, kept by the pool) and its partition's curve by count."""
 
     page_counts: list[int]
-    curve: ReuseByCount
+    curve: CountCurve

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvpool_sidecar import frequency
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, validate_config
-from kvpool_sidecar.frequency import COUNT_CAP, FrequencySketch, ReuseByCount
+from kvpool_sidecar.frequency import COUNT_CAP, LIFT_SHAPE, CountLift, FrequencySketch, ReuseByCount
 from kvpool_sidecar.pool import PagePool, tuning
 from kvpool_sidecar.pool.tuning import _DECIDE_EVERY, SampledPrompt, SelfTuner, ShadowCache
 from kvpool_sidecar.replay import capacity_pages, parse_lines, replay_pool, trace_spec
@@ -88,21 +88,35 @@ def test_a_prefix_never_goes_before_its_continuation():
 
 
 def test_the_sketch_counts_prompts_keeps_counts_past_eviction_and_stays_bounded():
-    sketch = FrequencySketch(1000)
-    assert sketch.nbytes <= 2 * 2 * 32 * 1000  # two rows of at most 64 bytes per page
+    pages = 20_000  # above the floors: sized by the pool
+    sketch = FrequencySketch(pages)
+    assert sketch.nbytes <= 2 * 2 * 32 * pages  # two rows of at most 64 bytes per page
     before, _ = sketch.add(["a", "b"])
     assert before == [0, 0]
     for _ in range(COUNT_CAP + 3):
         sketch.add(["a"])
     assert sketch.count("a") == COUNT_CAP and sketch.count("b") == 1
     # Fill it to its halving point with keys seen once: few fresh keys then look seen.
-    sketch.add([("fill", i) for i in range(16_000 - sketch._added - 1)])
+    sketch.add([("fill", i) for i in range(16 * pages - sketch._added - 1)])
     false = sum(sketch.count(("fresh", i)) > 0 for i in range(2000))
     assert false < 2000 * 0.2  # two rows at most 40 % full: about 15 %
     counts = [sketch.count(k) for k in ("a", "b", ("fill", 7))]
     sketch.add(["c"])  # the period's last increment: every count halves
     assert sketch.halvings == 1 and sketch.count("a") == COUNT_CAP // 2
     assert [sketch.count(k) for k in ("a", "b", ("fill", 7))] == [c // 2 for c in counts]
+
+
+def test_a_small_pools_sketch_remembers_as_long_as_its_floors_say():
+    """A pool of 1,000 pages gets the floors' cells and period, not 64 KiB halved every 16,000 keys."""
+    sketch = FrequencySketch(1000)
+    assert sketch.nbytes == frequency.MIN_CELLS
+    sketch.add(["kept", "kept"])
+    sketch.add([("once", i) for i in range(frequency.MIN_PERIOD - 3)])
+    assert sketch.halvings == 0 and sketch.count("kept") == 2
+    sketch.add(["last"])
+    assert sketch.halvings == 1 and sketch.count("kept") == 1
+    sketch.size_for(0)  # no counting: the memory goes
+    assert sketch.nbytes == 64
 
 
 def _require_compiled(built: bool, module: str) -> None:
@@ -265,6 +279,74 @@ def test_the_reuse_curve_is_learned_from_counts_and_never_falls():
     assert all(a <= b for a, b in zip(curve.p[1:], curve.p[2:], strict=False))
 
 
+def flows(lift: CountLift, visits: dict[int, int], rounds: int = 1, start: int = 0) -> None:
+    """Feed ``lift`` exact counts: key k (numbered from ``start``) is contained in ``visits[k]``
+    requests, each request one key, the keys' visits interleaved; ``rounds`` times over fresh keys."""
+    for r in range(rounds):
+        seen: dict[int, int] = {}
+        order = [start + r * len(visits) + k for k, v in visits.items() for _ in range(v)]
+        random.Random(r).shuffle(order)
+        for key in order:
+            lift.observe([seen.get(key, 0)])
+            seen[key] = seen.get(key, 0) + 1
+
+
+def geometric(keys: int) -> dict[int, int]:
+    """Visits where half the keys at any count reach one more: the count predicts nothing."""
+    return {k: 1 + (k & -k).bit_length() - 1 if k else 12 for k in range(keys)}
+
+
+def test_where_the_count_predicts_nothing_its_credit_goes_but_the_templates_keep_theirs():
+    """Half the keys at every count come back once more (a drain of long conversations): counts 2-8
+    get no credit; counts 9 and up (a template every prompt sends) keep theirs; the curve never falls."""
+    lift = CountLift()
+    assert lift.p == [LIFT_SHAPE[0], *LIFT_SHAPE[1:]] and lift.lift == 1.0  # no flows yet: the full shape
+    flows(lift, geometric(4096))
+    lift.refit()
+    assert lift.measured_lift() == 0.0 and lift.lift == 0.0
+    assert lift.p[1:9] == [0.0] * 8 and lift.p[9:] == list(LIFT_SHAPE[9:]) and lift.p[9] == 0.5
+    assert all(a <= b for a, b in zip(lift.p, lift.p[1:], strict=False))
+
+
+def test_where_pages_seen_again_come_back_more_the_credit_is_full():
+    """1,000 keys are seen four times and 4,000 once: a key seen once comes back one time in five,
+    one seen twice or three times two in three: the full shape, log2 from count 2."""
+    lift = CountLift()
+    visits = {k: 4 if k < 1000 else 1 for k in range(5000)}
+    flows(lift, visits)
+    lift.refit()
+    assert lift.measured_lift() == 1.0 and lift.p == list(LIFT_SHAPE)
+    assert lift.p[1] == 0.0 and 0 < lift.p[2] < lift.p[4] < lift.p[8] == 0.5
+
+
+def test_the_lift_follows_a_change_of_traffic_within_its_memory():
+    """Chat-like flows, then a drain where the count says nothing: the credit of counts 2-8 goes
+    within a few memories (a pool of 1,000 pages: 65,536 increments), and comes back with chat."""
+    lift = CountLift(1000)
+    assert lift.memory == 65_536
+    chat = {k: 4 if k < 1000 else 1 for k in range(5000)}
+    flows(lift, chat, rounds=20)
+    assert lift.lift == 1.0
+    flows(lift, geometric(4096), rounds=40, start=10**6)  # 40 x 8,192 increments: five memories
+    assert lift.lift < 0.05  # chat's flows weigh 2**-5 of what they did
+    flows(lift, geometric(4096), rounds=40, start=2 * 10**6)
+    assert max(lift.p[1:9]) < frequency.REFIT_TOLERANCE  # no credit left but what a refit would not move
+    flows(lift, chat, rounds=40, start=10**7)
+    assert min(lift.p[2:9]) > 0 and max(abs(a - b) for a, b in zip(lift.p, LIFT_SHAPE, strict=True)) < 0.005
+
+
+def test_a_lift_moved_by_less_than_the_tolerance_keeps_the_curve():
+    """A new curve re-ranks every queue: one that moves the credit by under REFIT_TOLERANCE is not made."""
+    lift = CountLift()
+    flows(lift, geometric(4096))
+    lift.refit()
+    curve = lift.p
+    lift.arrivals[3] += 4  # a flow or two more at count 2: the measured lift moves by a hair
+    assert 0.0 < lift.measured_lift() * 0.5 < frequency.REFIT_TOLERANCE
+    lift.refit()
+    assert lift.p is curve and lift.lift == 0.0
+
+
 def lru_and_credit() -> SelfTuner:
     """A tuner of two candidates, 0 (LRU, in force first) and 0.1, over 400 pages."""
     settings = SidecarConfig().eviction.selfTuning.model_copy(update={"reuseWeights": [0.0, 0.1]})
@@ -376,7 +458,7 @@ def exact_block_hits(t, pages: int, weight: float) -> tuple[float, float]:
     weight fed the same prompts in the tuner's batches (1/64 of its capacity)."""
     shadow = ShadowCache(pages, weight)
     sketch = FrequencySketch(pages)
-    curve = ReuseByCount()  # learns as the pool's did, from the same counts
+    curve = CountLift(pages)  # learns as the shared partition's did, from the same counts
     scale = 600.0 / 0.1
     heap: list[tuple[float, int, int]] = []
     touch: dict[int, int] = {}  # cached key -> its live entry's (negated) serial
@@ -417,6 +499,21 @@ def test_the_queues_decide_as_the_exact_rule_does():
     assert min(exact, shadow) >= 0.98 * max(exact, shadow)
 
 
+def test_each_partition_has_its_own_candidates_unless_the_policy_names_them():
+    """Unset, the shared partition's candidates weigh the count's lift (at most 0.5) and the to-B
+    one's the learned P(reuse | count); a policy that names candidates gets them in both."""
+    unset = validate_config({"eviction": {"selfTuning": {"reuseWeights": None}}}).eviction.selfTuning
+    assert unset.candidates(to_b=False) == [0.0, 0.008, 0.03, 0.06, 0.12, 0.24]
+    assert unset.candidates(to_b=True) == [0.0, 0.01, 0.03, 0.1, 0.2, 0.3]
+    named = validate_config({"eviction": {"selfTuning": {"reuseWeights": [0.1, 0]}}}).eviction.selfTuning
+    assert named.candidates(to_b=False) == named.candidates(to_b=True) == [0.0, 0.1]
+    pool = PagePool(20_000, KVCachePolicySpec.model_validate({"eviction": {"selfTuning": {"reuseWeights": [0, 0.1]}}}))
+    assert {part: [s.weight for s in t.shadows] for part, t in pool.tuners().items()} == {
+        "toC": [0.0, 0.1], "toB": [0.0, 0.1]}
+    shares = {part: t.sample_one_in for part, t in PagePool(100_000, KVCachePolicySpec()).tuners().items()}
+    assert shares == {"toC": 8, "toB": 32}  # partitions of 70,000 / 30,000 pages: shadows of 8,750 / 937
+
+
 @pytest.mark.parametrize(("change", "field"), [
     ({"reuseWeights": [0.1, 0.1]}, "eviction.selfTuning.reuseWeights"),
     ({"reuseWeights": [2.0]}, "eviction.selfTuning.reuseWeights.0"),
@@ -440,11 +537,15 @@ def test_operators_see_the_weight_the_shadows_and_the_switches():
         scrape = httpx.get(url + "/metrics").text
         stats = httpx.get(url + "/v1/stats").json()
     assert 'kvpool_tuning_reuse_weight{partition="toC"} 0.0' in scrape
-    assert 'kvpool_tuning_shadow_hit_ratio{partition="toC",reuse_weight="0.3"}' in scrape
+    assert 'kvpool_tuning_shadow_hit_ratio{partition="toC",reuse_weight="0.24"}' in scrape
+    assert 'kvpool_tuning_shadow_hit_ratio{partition="toB",reuse_weight="0.3"}' in scrape
     assert 'kvpool_tuning_switches_total{partition="toC"} 0.0' in scrape
+    assert 'kvpool_tuning_count_lift{partition="toC"} 1.0' in scrape  # too few flows yet to measure it
+    assert 'kvpool_tuning_count_lift{partition="toB"}' not in scrape  # it learns P(reuse | count) instead
     state = stats["tuning"]["toC"]
-    assert state["self_tuned"] and state["reuse_weight"] == 0.0
-    assert set(state["shadow_hit_ratios"]) == {"0", "0.01", "0.03", "0.1", "0.2", "0.3"}
+    assert state["self_tuned"] and state["reuse_weight"] == 0.0 and state["count_lift"] == 1.0
+    assert set(state["shadow_hit_ratios"]) == {"0", "0.008", "0.03", "0.06", "0.12", "0.24"}
+    assert set(stats["tuning"]["toB"]["shadow_hit_ratios"]) == {"0", "0.01", "0.03", "0.1", "0.2", "0.3"}
 
 
 def test_tune_reports_each_candidate_and_what_self_tuning_chose(tmp_path, capsys):

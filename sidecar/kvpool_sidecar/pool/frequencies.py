@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.frequency import COUNT_CAP, FrequencySketch, FrequencyView, ReuseByCount
-from kvpool_sidecar.keys import TO_C
+from kvpool_sidecar.frequency import COUNT_CAP, CountCurve, CountLift, FrequencySketch, FrequencyView, ReuseByCount
+from kvpool_sidecar.keys import TO_B, TO_C
 from kvpool_sidecar.pool.records import PARTITIONS
 from kvpool_sidecar.pool.tuning import SelfTuner
 
@@ -21,7 +21,10 @@ class PageFrequencies:
     def _init_frequencies(self) -> None:
         self._sketch = FrequencySketch(0)
         self._page_counts: list[int] = []  # per page, its count when last admitted (while counting)
-        self._curves = [ReuseByCount() for _ in PARTITIONS]
+        # The to-B partition's credit is the learned P(reuse | count): template bursts, where the count
+        # is a strong signal. The shared one's is the count's measured lift (CountLift): there the
+        # count can say nothing, as where every prompt is a later turn of a long conversation.
+        self._curves: list[CountCurve] = [ReuseByCount() if part == TO_B else CountLift() for part in PARTITIONS]
         self._tuners: list[SelfTuner | None] = [None] * len(PARTITIONS)
         self._tuner_shape: list[tuple | None] = [None] * len(PARTITIONS)
         self._counting = False
@@ -38,13 +41,17 @@ class PageFrequencies:
         if self._sketch.pages != want:
             self._sketch.size_for(want)
             self._page_counts[:] = [0] * want
+            for curve in self._curves:
+                if isinstance(curve, CountLift):
+                    curve.size_for(want)
         tuning = spec.eviction.selfTuning
         gamma = spec.eviction.weights.timeWindow or 1.0
         for part, policy in enumerate(self._policies):
             shape = (self._caps[part], gamma, tuning) if counted[part] and tuning.enabled and self._caps[part] else None
             if shape != self._tuner_shape[part]:
                 self._tuner_shape[part] = shape
-                self._tuners[part] = None if shape is None else SelfTuner(self._caps[part], gamma, tuning)
+                self._tuners[part] = None if shape is None else SelfTuner(
+                    self._caps[part], gamma, tuning, shared=PARTITIONS[part] != TO_B)
             if counted[part]:
                 tuner = self._tuners[part]
                 policy.set_reuse_weight(None if tuner is None else tuner.weight)
@@ -72,7 +79,8 @@ class PageFrequencies:
 
     def tuning(self) -> dict[str, dict]:
         """Per partition (with pages) whose policy ranks by counts: the reuse weight in force, whether the tuner
-        chose it, the switches so far and each candidate's recent shadow hit ratio."""
+        chose it, the switches so far, each candidate's recent shadow hit ratio and the count's lift in
+        force (the shared partition's; None for the to-B one, which learns P(reuse | count) instead)."""
         out: dict[str, dict] = {}
         for part, policy in enumerate(self._policies):
             if not policy.uses_frequency or not self._caps[part]:
@@ -84,5 +92,6 @@ class PageFrequencies:
                 "switches": self.tuning_switches[part],
                 "shadow_hit_ratios": {} if tuner is None else tuner.hit_ratios(),
                 "sample_one_in": 0 if tuner is None else tuner.sample_one_in,
+                "count_lift": curve.lift if isinstance(curve := self._curves[part], CountLift) else None,
             }
         return out

@@ -45,6 +45,10 @@ COMPILED = _ShadowCore is not None
 # trace at 1-10 %: shadows of 512 pages and more chose as well as unsampled ones; at 256 the tuner
 # held LRU for a quarter of the trace at 5 % (0.2189 against 0.2233).
 MIN_SHADOW_PAGES = 512
+# The shared partition's floor: chat's best weights there are close neighbours (0.03-0.12 on the
+# count's lift), and sampled shadows told them apart later: 0.2227 at 5 % with 512, 0.2263 with 8,192
+# (unsampled up to 16,384 pages; the same cost per page from 262,144 pages up, where 1 in 32 applies).
+SHARED_MIN_SHADOW_PAGES = 8192
 _DECIDE_EVERY = 16  # sampled requests between two decisions
 _WARMUP_SAMPLES = 64  # sampled requests before the first decision
 # How consistent a challenger's lead must be: its decayed sum of per-interval leads over at least
@@ -229,14 +233,17 @@ class ShadowCache:
 class SelfTuner:
     """One partition's shadows and the choice they make; see the module's notes."""
 
-    def __init__(self, pages: int, gamma: float, settings: SelfTuning) -> None:
+    def __init__(self, pages: int, gamma: float, settings: SelfTuning, shared: bool = False) -> None:
+        """A tuner of a partition of ``pages``: the shared one (``shared``) or the to-B one, which
+        differ in their candidates (``SelfTuning.candidates``) and shadow floor."""
+        floor = SHARED_MIN_SHADOW_PAGES if shared else MIN_SHADOW_PAGES
         shift = 0
-        while (1 << (shift + 1)) <= settings.sampleOneIn and pages >> (shift + 1) >= MIN_SHADOW_PAGES:
+        while (1 << (shift + 1)) <= settings.sampleOneIn and pages >> (shift + 1) >= floor:
             shift += 1
         self.sample_shift = shift
         self.sample_one_in = 1 << shift
         self.gamma = gamma
-        self.shadows = [ShadowCache(pages >> shift, w) for w in settings.reuseWeights]
+        self.shadows = [ShadowCache(pages >> shift, w) for w in settings.candidates(to_b=not shared)]
         self.current = self.shadows[0]
         self._horizon = float(settings.horizonRequests)
         self._margin = settings.marginPercent / 100.0

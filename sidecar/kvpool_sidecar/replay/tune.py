@@ -80,10 +80,12 @@ def adaptive_spec(spec: KVCachePolicySpec, weight: float | None) -> KVCachePolic
 
 def fixed_weights(trace: Trace, capacity: float, spec: KVCachePolicySpec | None = None,
                   on_row: Callable[[TuneRow], None] | None = None) -> list[TuneRow]:
-    """Each of the self-tuner's candidate reuse weights held fixed for the whole replay; best first."""
+    """Each of the self-tuner's candidate reuse weights (of either partition) held fixed in both
+    partitions for the whole replay; best first."""
     spec = spec or KVCachePolicySpec()
+    tuning = spec.eviction.selfTuning
     rows = []
-    for weight in spec.eviction.selfTuning.reuseWeights:
+    for weight in sorted(set(tuning.candidates(to_b=False)) | set(tuning.candidates(to_b=True))):
         fixed = adaptive_spec(spec, weight)
         result = replay_pool(trace, "workload_adaptive", capacity, fixed)
         row = TuneRow(weight, 0.0, fixed.eviction.weights.timeWindow, result.token_hit_ratio)

@@ -182,7 +182,8 @@ class _PoolCollector(Collector):
 
 
 def _tuning_families(tuning: dict[str, dict]) -> Iterator[Metric]:
-    """The self-tuner per partition: the reuse weight in force, each candidate's shadow hit ratio, switches."""
+    """The self-tuner per partition: the reuse weight in force, each candidate's shadow hit ratio, switches,
+    and the count's lift (the shared partition's)."""
     weight = GaugeMetricFamily(
         "kvpool_tuning_reuse_weight", "Reuse weight (alpha) in force, chosen by the self-tuner or configured",
         labels=["partition"],
@@ -195,11 +196,19 @@ def _tuning_families(tuning: dict[str, dict]) -> Iterator[Metric]:
         "kvpool_tuning_switches", "Times the self-tuner moved the live policy to another reuse weight",
         labels=["partition"],
     )
+    lift = GaugeMetricFamily(
+        "kvpool_tuning_count_lift",
+        "How far the count predicts reuse (0: not at all, the credit of counts 2-8 off; 1: fully)",
+        labels=["partition"],
+    )
     for partition, state in tuning.items():
         weight.add_metric([partition], state["reuse_weight"])
+        if state["count_lift"] is not None:
+            lift.add_metric([partition], state["count_lift"])
         switches.add_metric([partition], state["switches"])
         for candidate, ratio in state["shadow_hit_ratios"].items():
             shadows.add_metric([partition, f"{candidate:g}"], ratio)
     yield weight
     yield shadows
     yield switches
+    yield lift
