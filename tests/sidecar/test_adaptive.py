@@ -510,8 +510,13 @@ def test_each_partition_has_its_own_candidates_unless_the_policy_names_them():
     pool = PagePool(20_000, KVCachePolicySpec.model_validate({"eviction": {"selfTuning": {"reuseWeights": [0, 0.1]}}}))
     assert {part: [s.weight for s in t.shadows] for part, t in pool.tuners().items()} == {
         "toC": [0.0, 0.1], "toB": [0.0, 0.1]}
-    shares = {part: t.sample_one_in for part, t in PagePool(100_000, KVCachePolicySpec()).tuners().items()}
-    assert shares == {"toC": 8, "toB": 32}  # partitions of 70,000 / 30,000 pages: shadows of 8,750 / 937
+    def shares(pages: int) -> dict[str, int]:
+        return {part: t.sample_one_in for part, t in PagePool(pages, KVCachePolicySpec()).tuners().items()}
+
+    # Shared shadows: 1 in 4 at least (while 512 pages are left), more only down to 2,048; to-B down to 512.
+    assert shares(20_000) == {"toC": 4, "toB": 8}  # partitions of 14,000 / 6,000: shadows of 3,500 / 750
+    assert shares(5_000) == {"toC": 4, "toB": 2}  # 3,500 / 1,500: 875 / 750
+    assert shares(1_000) == {"toC": 1, "toB": 1}  # 700 / 300: unsampled, a smaller shadow ranks badly
 
 
 @pytest.mark.parametrize(("change", "field"), [

@@ -45,10 +45,14 @@ COMPILED = _ShadowCore is not None
 # trace at 1-10 %: shadows of 512 pages and more chose as well as unsampled ones; at 256 the tuner
 # held LRU for a quarter of the trace at 5 % (0.2189 against 0.2233).
 MIN_SHADOW_PAGES = 512
-# The shared partition's floor: chat's best weights there are close neighbours (0.03-0.12 on the
-# count's lift), and sampled shadows told them apart later: 0.2227 at 5 % with 512, 0.2263 with 8,192
-# (unsampled up to 16,384 pages; the same cost per page from 262,144 pages up, where 1 in 32 applies).
-SHARED_MIN_SHADOW_PAGES = 8192
+# The shared partition's: chat's best weights there are close neighbours (0.03-0.12 on the count's
+# lift), and shadows of 512 pages told them apart late (chat at 5 %: 0.2221, sampled 1 in 16). Larger
+# shadows cost: six unsampled ones took a chat replay from about 2x LRU's time to 5-8.5x at 2-5 %
+# (cachegrind). So the shared partition samples one key in at least SHARED_MIN_SHIFT powers of two (4)
+# while its shadows keep MIN_SHADOW_PAGES, and more only while they keep SHARED_MIN_SHADOW_PAGES:
+# chat at 5 % 0.2264, about 2x LRU's time at every capacity (session 21).
+SHARED_MIN_SHADOW_PAGES = 2048
+SHARED_MIN_SHIFT = 2
 _DECIDE_EVERY = 16  # sampled requests between two decisions
 _WARMUP_SAMPLES = 64  # sampled requests before the first decision
 # How consistent a challenger's lead must be: its decayed sum of per-interval leads over at least
@@ -235,10 +239,14 @@ class SelfTuner:
 
     def __init__(self, pages: int, gamma: float, settings: SelfTuning, shared: bool = False) -> None:
         """A tuner of a partition of ``pages``: the shared one (``shared``) or the to-B one, which
-        differ in their candidates (``SelfTuning.candidates``) and shadow floor."""
+        differ in their candidates (``SelfTuning.candidates``) and shadow sizes (see the floors)."""
         floor = SHARED_MIN_SHADOW_PAGES if shared else MIN_SHADOW_PAGES
         shift = 0
         while (1 << (shift + 1)) <= settings.sampleOneIn and pages >> (shift + 1) >= floor:
+            shift += 1
+        least = SHARED_MIN_SHIFT if shared else 0
+        while (shift < least and (1 << (shift + 1)) <= settings.sampleOneIn
+               and pages >> (shift + 1) >= MIN_SHADOW_PAGES):
             shift += 1
         self.sample_shift = shift
         self.sample_one_in = 1 << shift
