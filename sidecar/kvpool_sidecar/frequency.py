@@ -264,7 +264,7 @@ class CountLift:
     def refit(self) -> None:
         # As ReuseByCount's: a curve that moves the credit by less than the tolerance ranks as the old.
         lift = self.measured_lift()
-        if abs(lift - self.lift) * max(LIFT_SHAPE[c] for c in LIFT_GATED) >= REFIT_TOLERANCE:
+        if abs(lift - self.lift) * LIFT_SHAPE[LIFT_GATED[-1]] >= REFIT_TOLERANCE:  # the shape's top gated credit
             self.lift = lift
             self.p = self._curve(lift)
 
