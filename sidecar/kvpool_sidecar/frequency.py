@@ -144,7 +144,33 @@ class FrequencySketch:
         return min(self._cells[i], self._cells[j])
 
 
-class ReuseByCount:
+class _Arrivals:
+    """Keys reaching each count (``arrivals[c]``; a new key reaches 1), from the sketch's increments:
+    what both curves by count learn from."""
+
+    def __init__(self) -> None:
+        self.arrivals = [0.0] * (COUNT_CAP + 2)
+        self._since = 0
+
+    def _arrive(self, before: Sequence[int]) -> bool:
+        """One request's counts before its increments; True when a refit is due (every
+        :data:`_REFIT_EVERY` increments)."""
+        arrivals = self.arrivals
+        for count in before:
+            arrivals[count + 1] += 1.0
+        self._since += len(before)
+        if self._since < _REFIT_EVERY:
+            return False
+        self._since = 0
+        return True
+
+    def _halve(self) -> None:
+        arrivals = self.arrivals
+        for c in range(len(arrivals)):
+            arrivals[c] *= 0.5
+
+
+class ReuseByCount(_Arrivals):
     """P(reused once more | count), learned from the sketch's increments and halved with it.
 
     ``arrivals[c]`` counts keys reaching count c (a new key reaches 1); ``p[c]`` is then
@@ -153,23 +179,16 @@ class ReuseByCount:
     """
 
     def __init__(self) -> None:
-        self.arrivals = [0.0] * (COUNT_CAP + 2)
+        super().__init__()
         self.p = list(PRIOR_BY_COUNT)
-        self._since = 0
         self._halvings = 0
 
     def observe(self, before: Sequence[int], halvings: int) -> None:
         """One request's counts before its increments (:meth:`FrequencySketch.add`)."""
-        arrivals = self.arrivals
         if halvings != self._halvings:  # the sketch forgot half: so do the rates learned from it
             self._halvings = halvings
-            for c in range(len(arrivals)):
-                arrivals[c] *= 0.5
-        for count in before:
-            arrivals[count + 1] += 1.0
-        self._since += len(before)
-        if self._since >= _REFIT_EVERY:
-            self._since = 0
+            self._halve()
+        if self._arrive(before):
             self.refit()
 
     def refit(self) -> None:
@@ -199,7 +218,7 @@ LIFT_MEMORY_FLOOR = 65_536  # ... and at least this many
 LIFT_EVIDENCE = 64.0  # arrivals at count 1 and at counts 2-8 before the lift is measured (1 until then)
 
 
-class CountLift:
+class CountLift(_Arrivals):
     """The shared partition's credit by count: :data:`LIFT_SHAPE`, with counts 2-8 scaled by the
     count's measured lift.
 
@@ -218,10 +237,9 @@ class CountLift:
     """
 
     def __init__(self, pages: int = 0) -> None:
-        self.arrivals = [0.0] * (COUNT_CAP + 2)
+        super().__init__()
         self.lift = 1.0
         self.p = self._curve(1.0)
-        self._since = 0
         self._added = 0
         self.size_for(pages)
 
@@ -236,17 +254,12 @@ class CountLift:
     def observe(self, before: Sequence[int], halvings: int = 0) -> None:
         """One request's counts before its increments (:meth:`FrequencySketch.add`); the sketch's
         ``halvings`` are not followed (the flows keep their own memory)."""
-        arrivals = self.arrivals
-        for count in before:
-            arrivals[count + 1] += 1.0
+        due = self._arrive(before)
         self._added += len(before)
         if self._added >= self.memory:
             self._added = 0
-            for c in range(len(arrivals)):
-                arrivals[c] *= 0.5
-        self._since += len(before)
-        if self._since >= _REFIT_EVERY:
-            self._since = 0
+            self._halve()
+        if due:
             self.refit()
 
     def measured_lift(self) -> float:
