@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +32,8 @@ def free_port() -> int:
 def live_sidecar(
     config: SidecarConfig | None = None, *, pages: int = 256, config_path: Path | None = None,
     token: Any = None, poll_interval: float = 0.1, pre_evict_interval: float = 0.0,
-    storage: KVStorage | None = None, transfer_keys: TransferKeys | None = None, **limits: int,
+    storage: KVStorage | None = None, transfer_keys: TransferKeys | None = None, engine_socket: str | None = None,
+    **limits: int,
 ) -> Iterator[tuple[str, Sidecar]]:
     if config is None:
         config = load_config(config_path) if config_path else SidecarConfig.model_validate(
@@ -40,9 +42,15 @@ def live_sidecar(
     sidecar = Sidecar(config, pages, config_path=config_path, storage=storage, transfer_keys=transfer_keys,
                       **limits)
     sidecar.mark_config_file_read()
-    app = create_app(sidecar, token=token, poll_interval=poll_interval, pre_evict_interval=pre_evict_interval)
+    app = create_app(sidecar, token=token, poll_interval=poll_interval, pre_evict_interval=pre_evict_interval,
+                     engine_socket=engine_socket)
     with live_app(app) as url:
         yield url, sidecar
+
+
+def socket_path() -> str:
+    """A fresh Unix socket path short enough for the kernel's 107-byte limit."""
+    return f"{tempfile.mkdtemp(prefix='kvp-', dir='/tmp')}/engine.sock"
 
 
 @contextmanager

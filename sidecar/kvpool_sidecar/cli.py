@@ -93,6 +93,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             config=args.config, host=args.host, port=args.port, pages=args.pages, token_file=args.token_file,
             metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_level=args.log_level,
             kv_shape=args.kv_shape, transfer_key_file=args.transfer_key_file,
+            engine_socket=None if args.engine_socket == "none" else args.engine_socket,
             **{k: v for k in LIMIT_FLAGS if (v := getattr(args, k)) is not None},
         )
     )
@@ -214,6 +215,8 @@ def _add_serve(sub: Any) -> None:
                      help="tokens of one sequence, pin or lookup at most (default 1,048,576); longer: 413")
     srv.add_argument("--max-pins-per-owner", type=_positive_int,
                      help="live pin records one credential holds at most (default 4,096); past it: 429")
+    srv.add_argument("--engine-socket", default="/tmp/kvpool/engine.sock",
+                     help="the engine channel's Unix socket, where vLLM's KVPoolConnector connects ('none': off)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.set_defaults(func=cmd_serve)
 

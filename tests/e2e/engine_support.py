@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import yaml
 from kvpool_sidecar.engines.tiny_model import KV_SHAPE, VOCAB
-from support import free_port
+from support import free_port, socket_path
 
 BLOCK = 32  # vLLM's CPU attention wants a multiple of 32
 CONNECTOR = "kvpool_sidecar.engines.vllm"
@@ -30,6 +30,7 @@ class SidecarProcess:
         self.folder = folder
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.socket = socket_path()
         self.pages = pages
         self.config_path = folder / "config.yaml"
         self.write_config(config or {"pageSize": BLOCK, "eviction": {"policy": "lru"}})
@@ -43,7 +44,7 @@ class SidecarProcess:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [SIDECAR_BIN, "serve", "--port", str(self.port), "--pages", str(self.pages), "--kv-shape", KV_SHAPE,
-             "--config", str(self.config_path), "--log-level", "warning"],
+             "--config", str(self.config_path), "--log-level", "warning", "--engine-socket", self.socket],
             start_new_session=True,
         )
         deadline = time.monotonic() + 30
@@ -105,21 +106,25 @@ def environment(changes: dict[str, str | None]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def make_engine(model_dir: Path, sidecar_url: str | None, *, gpu_blocks: int = 80, **extra: Any) -> Any:
-    """A vLLM engine (its own prefix cache off) with the kvpool connector, or without when ``sidecar_url``
-    is None."""
+def connector_config(sidecar_socket: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVPoolConnector", "kv_connector_module_path": CONNECTOR, "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"socket": sidecar_socket, "timeout_s": 1.0, **extra},
+    }
+
+
+def make_engine(model_dir: Path, sidecar_socket: str | None, *, gpu_blocks: int = 80, **extra: Any) -> Any:
+    """A vLLM engine (its own prefix cache off) with the kvpool connector, or without when
+    ``sidecar_socket`` is None."""
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
         model=str(model_dir), dtype="float32", block_size=BLOCK, max_model_len=2048, seed=0, enforce_eager=True,
         num_gpu_blocks_override=gpu_blocks, enable_prefix_caching=False, gpu_memory_utilization=0.3,
     )
-    if sidecar_url is not None:
-        kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVPoolConnector", "kv_connector_module_path": CONNECTOR, "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"url": sidecar_url, "timeout_s": 1.0, **extra},
-        }
+    if sidecar_socket is not None:
+        kwargs["kv_transfer_config"] = connector_config(sidecar_socket, **extra)
     with environment(engine_env()):
         return LLM(**kwargs)
 

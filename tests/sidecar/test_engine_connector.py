@@ -1,22 +1,26 @@
-"""The connector's halves without an engine: the scheduler's plan against a live sidecar, the link's faults,
-the worker's start-up checks and page copies (the real engine is in tests/e2e/test_vllm_engine.py)."""
+"""The connector's halves without an engine: the scheduler's plan against a live sidecar on its engine
+channel, the ordering of saves, commits and releases, sessions, model namespaces, untrusted request
+params, a hung or absent sidecar, the worker's start-up checks and page copies (the real engine is in
+tests/e2e/test_vllm_engine.py)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 
 import pytest
 import torch
-from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar import wire
 from kvpool_sidecar.config import SidecarConfig
 from kvpool_sidecar.engines.blocks import LayoutError, PageCopier, check_compatible, engine_layers
-from kvpool_sidecar.engines.link import Backoff, SidecarLink
-from kvpool_sidecar.engines.scheduler import SchedulerSide, loadable_tokens
+from kvpool_sidecar.engines.link import Backoff, SidecarLink, fetch_welcome
+from kvpool_sidecar.engines.scheduler import LoadJob, SchedulerSide, StepDone, StepPlan, loadable_tokens
 from kvpool_sidecar.engines.settings import ConnectorConfigError, parse_settings
 from kvpool_sidecar.engines.worker import WorkerSide
 from kvpool_sidecar.storage import KVStorage, ModelShape
-from support import free_port, live_sidecar
+from support import live_sidecar, socket_path
 
 PS = 4
 SHAPE = ModelShape(layers=2, kv_heads=1, head_dim=8, dtype="float32")
@@ -24,8 +28,12 @@ CONFIG = SidecarConfig.model_validate({"pageSize": PS, "eviction": {"policy": "l
                                        "pinning": {"autoPin": {"enabled": False}}})
 
 
-def hashes(n: int, tag: str = "h") -> list[str]:
-    return [f"{tag}{i}" for i in range(n)]
+def hello(model: str = "m", token: str | None = None, session: str = "s1", role: str = "scheduler") -> wire.Hello:
+    return wire.Hello(wire.PROTOCOL, role, session, model, token)
+
+
+def hashes(n: int, tag: str = "h") -> list[bytes]:
+    return [f"{tag}{i}".encode() for i in range(n)]
 
 
 @pytest.mark.parametrize(("pool_pages", "local", "prompt_len", "want"), [
@@ -47,58 +55,190 @@ def wait_for(side: SchedulerSide, *args) -> int:
     return got
 
 
-def test_the_scheduler_plans_saves_then_loads_against_a_live_sidecar():
-    storage = KVStorage(SHAPE, PS, pages=64, shared=True)
-    with live_sidecar(CONFIG, pages=64, storage=storage) as (url, sidecar):
-        link = SidecarLink(url)
-        side = SchedulerSide(link, PS, lookup_wait=0.5)
+def settle(link: SidecarLink, sidecar, check=lambda sc: sc.pool.stats().sequences == 0) -> None:
+    """Until the link's queued ops have reached the sidecar."""
+    deadline = time.monotonic() + 5
+    while not check(sidecar):
+        assert time.monotonic() < deadline, "the sidecar never saw the link's ops"
+        time.sleep(0.005)
+
+
+def done(*steps: int, failed: set[tuple[int, str]] | None = None) -> StepDone:
+    return StepDone({s: 1 for s in steps}, failed or set())
+
+
+def sidecar_with_channel(pages: int = 64, **kw):
+    path = socket_path()
+    return path, live_sidecar(CONFIG, pages=pages, storage=KVStorage(SHAPE, PS, pages=pages, shared=True),
+                              engine_socket=path, **kw)
+
+
+def test_the_scheduler_plans_saves_commits_after_the_worker_reports_and_loads_them_later():
+    path, live = sidecar_with_channel()
+    with live as (_, sidecar):
+        link = SidecarLink(path, hello())
+        side = SchedulerSide(link, PS, session="s1", lookup_wait=0.5)
         # First request: nothing cached; 5 full pages are saved over two steps of chunked prefill.
-        assert wait_for(side, "r1", hashes(5), 22, 0, {"tenant": "t1"}) == 0
+        assert wait_for(side, "r1", hashes(5), 22, 0, None) == 0
         side.allocated("r1", list(range(100, 106)), 0)
         step1 = side.plan([("r1", list(range(100, 106)), True, 0, 12)])
         assert not step1.loads and [s.blocks for s in step1.saves] == [[100, 101, 102]]
-        assert step1.saves[0].commit_tokens == 12 and step1.saves[0].epoch == storage.epoch
+        assert step1.saves[0].epoch == sidecar.storage_epoch
         step2 = side.plan([("r1", None, False, 12, 10)])
         assert [s.blocks for s in step2.saves] == [[103, 104]]
         assert side.plan([("r1", None, False, 22, 1)]).saves == []  # decode: nothing more to save
-        with SidecarClient(url) as client:  # the worker's commit, by hand
-            client.batch([{"op": "commit", "seq_id": s.seq_id, "num_computed_tokens": s.commit_tokens}
-                          for s in step1.saves + step2.saves])
-        side.finished("r1")
-        # Second request: same tenant and first 4 hashes; the engine's own cache holds one block.
-        assert wait_for(side, "r2", hashes(4) + ["x"], 22, PS, {"tenant": "t1"}) == 3 * PS
+        time.sleep(0.05)
+        assert sidecar.pool.stats().cached_pages == 0  # nothing is visible before the worker's report
+        side.worker_done(done(step1.step, step2.step))
+        assert side.finished("r1") is True  # it had saves: it finishes through finished_sending
+        side.sent({"r1"})
+        # Second request: first 4 hashes; the engine's own cache holds one block.
+        assert wait_for(side, "r2", hashes(4) + [b"x"], 22, PS, None) == 3 * PS
         side.allocated("r2", [7, 8, 9, 10, 11, 12], 3 * PS)
         step = side.plan([("r2", [7, 8, 9, 10, 11, 12], True, 4 * PS, 6)])
         assert [(job.pages, job.blocks) for job in step.loads] == [(step1.saves[0].pages[1:] + step2.saves[0].pages[:1],
                                                                    [8, 9, 10])]
         assert [s.blocks for s in step.saves] == [[11]]  # the one block the pool lacks
-        # Another tenant sees none of it (the sidecar salts its keys).
-        assert wait_for(side, "r3", hashes(5), 22, 0, {"tenant": "t2"}) == 0
-        side.finished("r2")
-        side.finished("r3")
-        link.close()
-        time.sleep(0.05)
-        assert sidecar.pool.stats().sequences == 0
+        side.worker_done(done(step.step))
+        assert side.finished("r2") is True
+        side.sent({"r2"})
+        settle(link, sidecar)
         sidecar.pool.check_invariants()
+        link.close()
 
 
-def test_a_preempted_request_is_admitted_afresh():
-    with live_sidecar(CONFIG, pages=64, storage=KVStorage(SHAPE, PS, pages=64, shared=True)) as (url, sidecar):
-        link = SidecarLink(url)
-        side = SchedulerSide(link, PS, lookup_wait=0.5)
+def test_a_request_finishing_in_its_saving_step_keeps_its_save_and_is_released_after_the_commit():
+    """max_tokens=1 or an abort: the engine finishes the request before the worker's report arrives."""
+    path, live = sidecar_with_channel()
+    with live as (_, sidecar):
+        link = SidecarLink(path, hello())
+        side = SchedulerSide(link, PS, session="s1", lookup_wait=0.5)
         wait_for(side, "r", hashes(3), 13, 0, None)
         side.allocated("r", [1, 2, 3, 4], 0)
-        side.plan([("r", [1, 2, 3, 4], True, 0, 13)])
-        assert wait_for(side, "r", hashes(3), 13, 0, None) == 0  # preempted: blocks gone, a new admission
-        side.finished("r")
+        plan = side.plan([("r", [1, 2, 3, 4], True, 0, 13)])
+        assert side.finished("r") is True  # blocks stay with the engine: the save is not done yet
+        side.sent(set())
+        assert sidecar.pool.stats().sequences == 1  # not released before its save is committed
+        side.worker_done(done(plan.step))
+        side.sent({"r"})
+        settle(link, sidecar)
+        assert wait_for(side, "again", hashes(3), 13, 0, None) == 3 * PS  # the save was committed
+        side.finished("again")
+        settle(link, sidecar)
         link.close()
-        time.sleep(0.05)
-        assert sidecar.pool.stats().sequences == 0
+
+
+def test_a_failed_save_is_never_committed_nor_anything_after_it():
+    path, live = sidecar_with_channel()
+    with live as (_, sidecar):
+        link = SidecarLink(path, hello())
+        side = SchedulerSide(link, PS, session="s1", lookup_wait=0.5)
+        wait_for(side, "r", hashes(4), 17, 0, None)
+        side.allocated("r", [1, 2, 3, 4, 5], 0)
+        s1 = side.plan([("r", [1, 2, 3, 4, 5], True, 0, 8)])
+        s2 = side.plan([("r", None, False, 8, 9)])
+        side.worker_done(done(s1.step, s2.step, failed={(s1.step, "r")}))
+        assert side.finished("r") is True
+        side.sent({"r"})
+        settle(link, sidecar)
+        assert wait_for(side, "again", hashes(4), 17, 0, None) == 0  # pages 1-2 unwritten: 3-4 unreachable
+        side.finished("again")
+        link.close()
+
+
+def test_an_engine_that_dies_holding_sequences_gets_them_released_and_counted():
+    path, live = sidecar_with_channel()
+    with live as (_, sidecar):
+        link = SidecarLink(path, hello())
+        side = SchedulerSide(link, PS, session="s1", lookup_wait=0.5)
+        for i in range(5):
+            wait_for(side, f"r{i}", hashes(3, f"p{i}"), 13, 0, None)
+        assert sidecar.pool.stats().sequences == 5
+        link._conn.sock.close()  # the process died: the kernel closes its socket, nobody says release
+        settle(link, sidecar)
+        assert sidecar.metrics.registry.get_sample_value("kvpool_engine_lapsed_sequences_total") == 5
+        sidecar.pool.check_invariants()
+        link.close()
+
+
+def test_a_session_that_connects_again_replaces_the_old_one():
+    path, live = sidecar_with_channel()
+    with live as (_, sidecar):
+        old = SidecarLink(path, hello(session="same"))
+        wait_for(SchedulerSide(old, PS, session="a", lookup_wait=0.5), "r", hashes(3), 13, 0, None)
+        new = SidecarLink(path, hello(session="same"))
+        wait_for(SchedulerSide(new, PS, session="b", lookup_wait=0.5), "r", hashes(3, "q"), 13, 0, None)
+        settle(new, sidecar, lambda sc: sc.pool.stats().sequences == 1)
+        assert sidecar.metrics.registry.get_sample_value("kvpool_engine_sessions") == 1
+        old.close()
+        new.close()
+
+
+def test_keys_are_namespaced_by_the_model():
+    path, live = sidecar_with_channel()
+    with live as (_, sidecar):
+        a = SchedulerSide(SidecarLink(path, hello(model="llama@1")), PS, session="a", lookup_wait=0.5)
+        wait_for(a, "r", hashes(3), 13, 0, None)
+        a.allocated("r", [1, 2, 3, 4], 0)
+        plan = a.plan([("r", [1, 2, 3, 4], True, 0, 13)])
+        a.worker_done(done(plan.step))
+        a.finished("r")
+        a.sent({"r"})
+        settle(a.link, sidecar)
+        assert wait_for(a, "same", hashes(3), 13, 0, None) == 3 * PS
+        b = SchedulerSide(SidecarLink(path, hello(model="llama@2", session="b")), PS, session="b", lookup_wait=0.5)
+        assert wait_for(b, "other", hashes(3), 13, 0, None) == 0  # other weights: never the first model's KV
+        a.link.close()
+        b.link.close()
+
+
+def test_request_params_choose_nothing_unless_the_deployment_trusts_them():
+    path, live = sidecar_with_channel()
+    with live as (_, sidecar):
+        link = SidecarLink(path, hello())
+        side = SchedulerSide(link, PS, session="s", lookup_wait=0.5, default_meta={"tenant": "acme"})
+        wait_for(side, "victim", hashes(3), 13, 0, None)
+        side.allocated("victim", [1, 2, 3, 4], 0)
+        plan = side.plan([("victim", [1, 2, 3, 4], True, 0, 13)])
+        side.worker_done(done(plan.step))
+        side.finished("victim")
+        side.sent({"victim"})
+        # A client naming another tenant and the to-B class: the configured defaults apply.
+        assert side.meta_of({"tenant": "alice", "workload_class": "toB"}) == {"tenant": "acme"}
+        assert wait_for(side, "attacker", hashes(3), 13, 0, {"tenant": "alice", "workload_class": "toB"}) == 3 * PS
+        seq = sidecar.pool._seqs[next(iter(sidecar.pool._seqs))]
+        assert (seq.meta.tenant, seq.meta.workload_class) == ("acme", "toC")
+        trusting = SchedulerSide(link, PS, session="t", lookup_wait=0.5, trust_request_params=True)
+        assert trusting.meta_of({"tenant": "alice"}) == {"tenant": "alice"}
+        assert wait_for(trusting, "gw", hashes(3), 13, 0, {"tenant": "alice"}) == 0  # alice's own namespace
+        link.close()
+
+
+def test_a_hung_sidecar_costs_each_request_at_most_lookup_wait():
+    path = socket_path()
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts (the kernel's backlog), never answers
+    hung.bind(path)
+    hung.listen(64)
+    try:
+        link = SidecarLink(path, hello(), timeout=5)
+        side = SchedulerSide(link, PS, session="s", lookup_wait=0.02)
+        start = time.perf_counter()
+        answers = [side.matched_tokens(f"r{i}", hashes(3, f"p{i}"), 13, 0, None) for i in range(20)]
+        assert answers == [None] * 20  # ask again next step ...
+        assert time.perf_counter() - start < 0.1  # ... after 20 ms for the whole step, not 20 ms per request
+        time.sleep(0.02)
+        side.plan([])
+        start = time.perf_counter()
+        assert [side.matched_tokens(f"r{i}", hashes(3, f"p{i}"), 13, 0, None) for i in range(20)] == [0] * 20
+        assert time.perf_counter() - start < 0.01  # their own budget is spent: served without the pool now
+        link.close(timeout=0.1)
+    finally:
+        hung.close()
 
 
 def test_an_unreachable_sidecar_costs_no_wait_and_is_retried_with_backoff(caplog):
-    link = SidecarLink(f"http://127.0.0.1:{free_port()}", timeout=0.5, backoff=Backoff("test sidecar", base=0.2))
-    side = SchedulerSide(link, PS, lookup_wait=0.5)
+    link = SidecarLink(socket_path(), hello(), timeout=0.5, backoff=Backoff("test sidecar", base=0.2))
+    side = SchedulerSide(link, PS, session="s", lookup_wait=0.5)
     with caplog.at_level(logging.WARNING, logger="kvpool.engine"):
         assert wait_for(side, "a", hashes(3), 13, 0, None) == 0
         start = time.perf_counter()
@@ -106,54 +246,65 @@ def test_an_unreachable_sidecar_costs_no_wait_and_is_retried_with_backoff(caplog
         assert time.perf_counter() - start < 0.01
         side.allocated("a", [1, 2, 3, 4], 0)
         assert side.plan([("a", [1, 2, 3, 4], True, 0, 13)]).saves == []  # nothing to save into
-    assert sum("unreachable" in r.message for r in caplog.records) == 1  # one warning, not one per request
+    assert sum("test sidecar unreachable" in r.message for r in caplog.records) == 1  # one warning, not one per request
     time.sleep(0.25)
     assert link.available()  # the backoff has passed: the next op is the probe
     link.close()
 
 
-def test_a_step_waits_on_lookups_for_lookup_wait_in_all():
-    import socket
-
-    with socket.socket() as hung:  # accepts connections (the kernel's backlog), never answers
-        hung.bind(("127.0.0.1", 0))
-        hung.listen(64)
-        link = SidecarLink(f"http://127.0.0.1:{hung.getsockname()[1]}", timeout=5)
-        side = SchedulerSide(link, PS, lookup_wait=0.02)
-        start = time.perf_counter()
-        answers = [side.matched_tokens(f"r{i}", hashes(3, f"p{i}"), 13, 0, None) for i in range(20)]
-        elapsed = time.perf_counter() - start
-        assert answers == [None] * 20  # ask again next step
-        assert elapsed < 0.1  # 20 ms for the whole step, not 20 ms per request (400 ms)
-        side.plan([])  # the next step has a fresh budget
-        start = time.perf_counter()
-        assert side.matched_tokens("r0", hashes(3, "p0"), 13, 0, None) is None
-        assert 0.015 < time.perf_counter() - start < 0.1
-        link.close(timeout=0.1)
-
-
-def test_a_refused_admission_serves_the_request_without_the_pool(caplog):
-    with live_sidecar(CONFIG, pages=64, storage=KVStorage(SHAPE, PS, pages=64, shared=True)) as (url, _):
-        link = SidecarLink(url)
-        side = SchedulerSide(link, PS, lookup_wait=0.5)
+def test_a_refused_admission_fails_alone_and_is_counted(caplog):
+    path, live = sidecar_with_channel()
+    with live as (_, sidecar):
+        link = SidecarLink(path, hello())
+        side = SchedulerSide(link, PS, session="s", lookup_wait=0.5, trust_request_params=True)
+        bad = side._admit("bad", hashes(3, "b"), 13, {"workload_class": "bulk"})
+        good = side._admit("good", hashes(3, "g"), 13, None)
         with caplog.at_level(logging.WARNING, logger="kvpool.engine"):
-            assert wait_for(side, "r", hashes(3), 13, 0, {"workload_class": "bulk"}) == 0
+            assert wait_for(side, "bad", hashes(3, "b"), 13, 0, None) == 0
+        assert wait_for(side, "good", hashes(3, "g"), 13, 0, None) == 0
+        assert bad.future is None and good.epoch is not None
         assert "meta.workload_class" in caplog.text
         assert link.available()  # a bad request is not a dead sidecar
+        side.finished("good")
+        settle(link, sidecar, lambda sc: sc.metrics.registry.get_sample_value(
+            "kvpool_connector_failures_total", {"operation": "lookup"}) == 1)
         link.close()
 
 
 def test_lookups_from_one_step_share_a_round_trip():
-    with live_sidecar(CONFIG, pages=256, storage=KVStorage(SHAPE, PS, pages=256, shared=True)) as (url, sidecar):
-        link = SidecarLink(url)
-        futures = [link.submit({"op": "admit", "seq_id": f"s{i}", "block_hashes": hashes(2, f"p{i}")})
-                   for i in range(50)]
-        assert all(f.result(5)["num_cached_tokens"] == 0 for f in futures)
+    path, live = sidecar_with_channel(pages=256)
+    with live as (_, sidecar):
+        link = SidecarLink(path, hello())
+        futures = [link.admit(wire.Admit(f"s{i}", hashes(2, f"p{i}"), 2 * PS)) for i in range(50)]
+        assert all(f.result(5)[1].cached_tokens == 0 for f in futures)
         assert link.round_trips < 50
-        link.submit({"op": "release", "seq_id": "s0"}).result(5)  # carries the pending report along
-        reported = sidecar.metrics.registry.get_sample_value("kvpool_connector_lookup_seconds_count")
-        assert reported + len(link.report.lookup_seconds) == 50  # every lookup timed and reported
+        link.release("s0", link.generation)  # carries the pending report along
+        settle(link, sidecar, lambda sc: sc.metrics.registry.get_sample_value(
+            "kvpool_connector_lookup_seconds_count") == 50)  # every lookup timed and reported
         link.close()
+
+
+def test_the_channel_refuses_a_bad_token_and_garbage_and_keeps_serving():
+    from kvpool_sidecar.service.credentials import Credentials
+
+    path = socket_path()
+    creds = Credentials.parse("engine " + "e" * 24 + "\ntenant:t " + "t" * 24)
+    with live_sidecar(CONFIG, pages=8, storage=KVStorage(SHAPE, PS, pages=8, shared=True), engine_socket=path,
+                      token=creds):
+        assert oct(os.stat(path).st_mode & 0o777) == "0o660"
+        for token in (None, "x" * 24, "t" * 24):  # none, unknown, and a tenant's (not an engine's)
+            with pytest.raises(ConnectionError, match="unauthorized"):
+                fetch_welcome(path, hello(token=token), 2)
+        with socket.socket(socket.AF_UNIX) as raw:
+            raw.connect(path)
+            raw.sendall(b"\x00\x00\x00\x03abc")
+            assert b"protocol" in raw.recv(4096)
+        with socket.socket(socket.AF_UNIX) as raw:  # a frame longer than the limit is refused unread
+            raw.connect(path)
+            raw.sendall(b"\xff\xff\xff\xff")
+            assert b"protocol" in raw.recv(4096)
+        welcome = fetch_welcome(path, hello(token="e" * 24), 2)
+        assert welcome.page_size == PS and welcome.storage["kind"] == "shm"
 
 
 # ------------------------------------------------------------------------------- the worker
@@ -198,51 +349,65 @@ def test_blocks_round_trip_through_pool_pages_bit_exact(layout):
 def test_an_incompatible_pool_is_refused_at_start_up_naming_both_values(shape, page_size, message):
     storage = KVStorage(shape, page_size, pages=4, shared=True)
     config = SidecarConfig.model_validate({"pageSize": page_size})
+    path = socket_path()
     try:
-        with live_sidecar(config, pages=4, storage=storage) as (url, _):
-            worker = WorkerSide(SidecarClient(url), engine_layers(engine_kv(6, "cpu"), 6), PS)
+        with live_sidecar(config, pages=4, storage=storage, engine_socket=path):
+            worker = WorkerSide(welcome_of(path), engine_layers(engine_kv(6, "cpu"), 6), PS)
             with pytest.raises(LayoutError, match=message.replace("(--kv-shape)", r"\(--kv-shape\)")):
                 worker.attach(strict=True)
     finally:
         storage.close()
 
 
+def welcome_of(path: str):
+    return lambda: fetch_welcome(path, hello(role="worker"), 0.5)
+
+
 def test_a_sidecar_without_kv_storage_is_refused_and_an_absent_one_only_warned_about(caplog):
-    with live_sidecar(CONFIG, pages=4) as (url, _):
-        worker = WorkerSide(SidecarClient(url), engine_layers(engine_kv(6, "cpu"), 6), PS)
-        with pytest.raises(LayoutError, match="no_storage"):
+    path = socket_path()
+    with live_sidecar(CONFIG, pages=4, engine_socket=path):
+        worker = WorkerSide(welcome_of(path), engine_layers(engine_kv(6, "cpu"), 6), PS)
+        with pytest.raises(LayoutError, match="keeps no KV storage"):
             worker.attach(strict=True)
-    worker = WorkerSide(SidecarClient(f"http://127.0.0.1:{free_port()}", timeout=0.5),
-                        engine_layers(engine_kv(6, "cpu"), 6), PS)
+    worker = WorkerSide(welcome_of(socket_path()), engine_layers(engine_kv(6, "cpu"), 6), PS)
     with caplog.at_level(logging.WARNING, logger="kvpool.engine"):
         worker.attach(strict=True)
     assert "not reachable at start-up" in caplog.text
 
 
-def test_a_job_from_another_pool_epoch_is_never_copied():
+def test_a_job_from_another_pool_epoch_or_a_lapsed_session_is_never_copied():
     storage = KVStorage(SHAPE, PS, pages=8, shared=True)
-    with live_sidecar(CONFIG, pages=8, storage=storage) as (url, _):
+    path = socket_path()
+    with live_sidecar(CONFIG, pages=8, storage=storage, engine_socket=path):
         kv = engine_kv(6, "cpu")
         before = {name: t.clone() for name, t in kv.items()}
-        worker = WorkerSide(SidecarClient(url), engine_layers(kv, 6), PS)
+        worker = WorkerSide(welcome_of(path), engine_layers(kv, 6), PS)
         worker.attach(strict=True)
-        from kvpool_sidecar.engines.scheduler import LoadJob
         failed = worker.load([LoadJob("r", storage.epoch + 1, [0, 1], [2, 3])])  # a pool that is gone
         assert failed == {2, 3}  # reported: the engine recomputes these blocks
+        assert worker.load([LoadJob("r", storage.epoch, [0, 1], [4, 5], valid=False)]) == {4, 5}
         assert all(torch.equal(kv[n], before[n]) for n in kv)
         assert worker.load([LoadJob("r", storage.epoch, [0, 1], [2, 3])]) == set()
         assert not kv["layer.0"][2].any()  # the pool's (zero) page was copied in
+        # A save into a pool that is gone is reported failed with its step (the scheduler never commits it).
+        from kvpool_sidecar.engines.scheduler import SaveJob
+
+        worker.save(StepPlan(7, [], [SaveJob("r", storage.epoch + 1, [0], [1]), SaveJob("q", storage.epoch, [1], [1])]))
+        report = worker.take_done()
+        assert report.steps == {7: 1} and report.failed_saves == {(7, "r")}
+        assert worker.finished({"r", "q", "z"}) == {"r", "q"}  # the ones that had saves
         worker.close()
     storage.close()  # attached in this same process: the tracker no longer holds the segment
 
 
 def test_settings_errors_name_the_field():
-    with pytest.raises(ConnectorConfigError, match="kv_connector_extra_config.url"):
-        parse_settings({"url": "127.0.0.1:8000"})
+    with pytest.raises(ConnectorConfigError, match="kv_connector_extra_config.socket"):
+        parse_settings({"socket": "relative/engine.sock"})
     with pytest.raises(ConnectorConfigError, match="kv_connector_extra_config.defaults.workload_class"):
         parse_settings({"defaults": {"workload_class": "bulk"}})
     with pytest.raises(ConnectorConfigError, match="kv_connector_extra_config.lookup_wait_ms"):
         parse_settings({"lookup_wait_ms": -1})
     with pytest.raises(ConnectorConfigError, match="kv_connector_extra_config.surprise"):
         parse_settings({"surprise": 1})
-    assert parse_settings(None).url == "http://127.0.0.1:8000"
+    assert parse_settings(None).socket == "/tmp/kvpool/engine.sock"
+    assert parse_settings(None).trust_request_params is False

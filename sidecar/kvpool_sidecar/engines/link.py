@@ -1,18 +1,24 @@
-"""An engine's connection to its sidecar: one keep-alive HTTP connection, ops batched, faults absorbed.
+"""An engine's connection to its sidecar: the engine channel (a Unix socket, :mod:`kvpool_sidecar.wire`).
 
-The scheduler must never wait on the sidecar for more than about a millisecond, and must keep serving
-when the sidecar is gone. :class:`SidecarLink` owns one thread and one ``httpx`` connection: callers
-:meth:`~SidecarLink.submit` an op and get a :class:`~concurrent.futures.Future`; the thread sends
-whatever has queued up as one ``POST /v1/batch`` (so ten lookups arriving together cost one round
-trip). A transport failure marks the link down for a backoff that doubles up to a ceiling; while down
-:meth:`~SidecarLink.available` is False (callers skip the sidecar), and once the backoff has passed
-the next op is the probe. One warning when it goes down, one when it is back.
+The scheduler must never wait on the sidecar for more than its lookup budget, and must keep serving when
+the sidecar is gone. :class:`SidecarLink` owns one thread and one connection: callers
+:meth:`~SidecarLink.admit`, :meth:`~SidecarLink.commit` and :meth:`~SidecarLink.release`; the thread sends
+whatever has queued up as one step message (so a scheduler step's lookups, commits and releases cost one
+round trip, in the order they were queued). An admission returns a :class:`~concurrent.futures.Future`.
+
+The connection is the session's lease: when it breaks, the sidecar releases every sequence the session
+held, so nothing admitted before is valid any more. :attr:`SidecarLink.generation` counts connections;
+callers keep the generation their admission was answered on and drop what belongs to an older one. A
+failed connection marks the link down for a backoff that doubles up to a ceiling; while down
+:meth:`~SidecarLink.available` is False (callers skip the sidecar), and once the backoff has passed the
+next op reconnects. One warning when it goes down, one when it is back.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -20,13 +26,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
-from kvpool_sidecar.client import SidecarClient, SidecarError
+from kvpool_sidecar import wire
 
 log = logging.getLogger("kvpool.engine")
-MAX_BATCH = 4096  # the API's limit on ops per batch
-MAX_LEFTOVER_RELEASES = 65_536  # sequences a failed round trip may have left admitted, to release later
 REPORT_EVERY = 1.0  # seconds idle after which a pending report is sent on its own
 
 
@@ -40,6 +42,10 @@ class OpFailed(RuntimeError):
     def __init__(self, error: str, detail: str, field: str = "") -> None:
         super().__init__(f"{error}: {detail}" + (f" (field {field})" if field else ""))
         self.error, self.detail, self.field = error, detail, field
+
+
+class Refused(ConnectionError):
+    """The sidecar refused the connection itself (a bad token, another protocol)."""
 
 
 class Backoff:
@@ -68,7 +74,7 @@ class Backoff:
 
 @dataclass
 class Report:
-    """Connector measurements not yet sent (the API's ``EngineReport``)."""
+    """Connector measurements not yet sent (exported by the sidecar as ``kvpool_connector_*``)."""
 
     loaded_tokens: int = 0
     saved_tokens: int = 0
@@ -81,52 +87,102 @@ class Report:
     def empty(self) -> bool:
         return not (self.loaded_tokens or self.saved_tokens or self.lookup_seconds or self.failures)
 
-    def take(self) -> dict[str, Any] | None:
-        """The report as JSON, or None when empty; resets what it returns."""
+    def take(self) -> wire.Report | None:
+        """The report to send, or None when empty; resets what it returns."""
         if self.empty():
             return None
-        out = {"loaded_tokens": self.loaded_tokens, "saved_tokens": self.saved_tokens,
-               "lookup_seconds": self.lookup_seconds[-4096:], "failures": dict(self.failures)}
+        out = wire.Report(self.loaded_tokens, self.saved_tokens, self.lookup_seconds[-4096:], dict(self.failures))
         self.loaded_tokens = self.saved_tokens = 0
         self.lookup_seconds = []
         self.failures = {}
         return out
 
-    def merge(self, sent: dict[str, Any]) -> None:
+    def merge(self, sent: wire.Report) -> None:
         """Put back a report whose round trip failed (it is sent with the next one)."""
-        self.loaded_tokens += sent["loaded_tokens"]
-        self.saved_tokens += sent["saved_tokens"]
-        self.lookup_seconds = (sent["lookup_seconds"] + self.lookup_seconds)[-4096:]
-        for op, n in sent["failures"].items():
+        self.loaded_tokens += sent.loaded_tokens
+        self.saved_tokens += sent.saved_tokens
+        self.lookup_seconds = (sent.lookup_seconds + self.lookup_seconds)[-4096:]
+        for op, n in sent.failures.items():
             self.fail(op, n)
 
 
-def send_batch(client: SidecarClient, ops: list[dict[str, Any]], report: dict[str, Any] | None) -> list[Any]:
-    """One ``/v1/batch`` round trip: each op's result dict, or an :class:`OpFailed` in its place."""
+class Connection:
+    """One blocking channel connection (connect, hello, then steps)."""
+
+    def __init__(self, path: str, hello: wire.Hello, timeout: float) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+            self.sock.sendall(wire.frame(hello))
+            welcome = self.read()
+        except BaseException:
+            self.sock.close()
+            raise
+        if isinstance(welcome, wire.Refused):
+            self.sock.close()
+            raise Refused(f"the sidecar refused the connection: {welcome.error}: {welcome.detail}")
+        if not isinstance(welcome, wire.Welcome):
+            self.sock.close()
+            raise Refused(f"the sidecar answered hello with {type(welcome).__name__}")
+        self.welcome = welcome
+
+    def read(self) -> wire.Message:
+        n = wire.frame_length(self._exactly(4))
+        return wire.decode(self._exactly(n))
+
+    def _exactly(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("the sidecar closed the connection")
+            buf += chunk
+        return bytes(buf)
+
+    def step(self, msg: wire.Step) -> wire.StepReply:
+        self.sock.sendall(wire.frame(msg))
+        reply = self.read()
+        if isinstance(reply, wire.Refused):
+            raise Refused(f"{reply.error}: {reply.detail}")
+        if not isinstance(reply, wire.StepReply):
+            raise wire.WireError(f"expected a reply, got {type(reply).__name__}")
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def fetch_welcome(path: str, hello: wire.Hello, timeout: float) -> wire.Welcome:
+    """Connect, say hello, hang up: the sidecar's storage handle and page size (the worker's need)."""
     try:
-        results = client.batch(ops, report)
-    except SidecarError as exc:
-        if exc.status >= 500 or exc.status == 401:
-            raise SidecarDown(str(exc)) from None
+        conn = Connection(path, hello, timeout)
+    except Refused:
         raise
-    except (httpx.HTTPError, OSError, ValueError) as exc:  # ValueError: a body that is not JSON
+    except (OSError, wire.WireError) as exc:
         raise SidecarDown(f"{type(exc).__name__}: {exc}") from None
-    return [r["result"] if r["ok"] else OpFailed(r["error"]["error"], r["error"]["detail"], r["error"]["field"])
-            for r in results]
+    conn.close()
+    return conn.welcome
+
+
+_Item = tuple[str, Any, "Future | None"]
 
 
 class SidecarLink:
-    """Batched, asynchronous ops against one sidecar (see the module doc)."""
+    """Batched, asynchronous ops of one engine session against one sidecar (see the module doc)."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 2.0,
-                 backoff: Backoff | None = None, name: str = "kvpool-link") -> None:
-        self._client = SidecarClient(url, token=token, timeout=timeout)
-        self.backoff = backoff or Backoff(f"sidecar {url}")
+    def __init__(self, path: str, hello: wire.Hello, *, timeout: float = 2.0, backoff: Backoff | None = None,
+                 name: str = "kvpool-link") -> None:
+        self.path = path
+        self.hello = hello
+        self.timeout = timeout
+        self.backoff = backoff or Backoff(f"sidecar {path}")
         self.report = Report()
-        self._lock = threading.Lock()  # guards report and the leftover releases
-        self._queue: queue.SimpleQueue[tuple[dict[str, Any], Future] | None] = queue.SimpleQueue()
-        self._leftover: list[str] = []
+        self.generation = 0  # connections made so far; a sequence lives only as long as its connection
         self.round_trips = 0
+        self._lock = threading.Lock()  # guards report
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._conn: Connection | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -134,16 +190,30 @@ class SidecarLink:
     def available(self) -> bool:
         return self.backoff.available()
 
-    def submit(self, op: dict[str, Any]) -> Future:
+    def admit(self, op: wire.Admit) -> Future:
+        """Answers ``(generation, Admitted)`` or fails with :class:`OpFailed` / :class:`SidecarDown`."""
         future: Future = Future()
-        if self._closed:
-            future.set_exception(SidecarDown("the link is closed"))
-        else:
-            self._queue.put((op, future))
+        self._put(("admit", op, future), future)
         return future
 
+    def commit(self, seq_id: str, num_tokens: int, generation: int) -> Future:
+        """Answers the pages published; dropped (SidecarDown) when its sequence's connection is gone."""
+        future: Future = Future()
+        self._put(("commit", (wire.Commit(seq_id, num_tokens), generation), future), future)
+        return future
+
+    def release(self, seq_id: str, generation: int) -> None:
+        self._put(("release", (seq_id, generation), None), None)
+
+    def _put(self, item: _Item, future: Future | None) -> None:
+        if self._closed:
+            if future is not None:
+                future.set_exception(SidecarDown("the link is closed"))
+            return
+        self._queue.put(item)
+
     def record(self, update: Callable[[Report], None]) -> None:
-        """Change the pending report (thread-safe); it travels with the next batch."""
+        """Change the pending report (thread-safe); it travels with the next step."""
         with self._lock:
             update(self.report)
 
@@ -151,7 +221,8 @@ class SidecarLink:
         self._closed = True
         self._queue.put(None)
         self._thread.join(timeout)
-        self._client.close()
+        if self._conn is not None:
+            self._conn.close()
 
     # ----------------------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -159,79 +230,101 @@ class SidecarLink:
             try:
                 item = self._queue.get(timeout=REPORT_EVERY)
             except queue.Empty:
-                # Idle: a pending report goes on its own (nothing else would carry it).
                 with self._lock:
-                    due = not self.report.empty() or bool(self._leftover)
+                    due = not self.report.empty()
                 if due and self.backoff.available():
-                    self._send([], [])
+                    self._send([])
                 continue
             if item is None:
                 return
             batch = [item]
-            while len(batch) < MAX_BATCH:
+            stop = False
+            while len(batch) < wire.MAX_OPS:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if nxt is None:
-                    self._queue.put(None)  # finish this batch, then stop
+                    stop = True
                     break
                 batch.append(nxt)
-            self._send([op for op, _ in batch], [f for _, f in batch])
+            self._send(batch)
+            if stop:
+                return
 
-    def _send(self, ops: list[dict[str, Any]], futures: list[Future]) -> None:
+    def _connect(self) -> Connection:
+        if self._conn is None:
+            self._conn = Connection(self.path, self.hello, self.timeout)
+            self.generation += 1
+        return self._conn
+
+    def _send(self, batch: list[_Item]) -> None:
         if not self.backoff.available():
-            self._keep_releases(ops)
-            for f in futures:
-                f.set_exception(SidecarDown("backing off after a failed round trip"))
+            for _, _, f in batch:
+                if f is not None:
+                    f.set_exception(SidecarDown("backing off after a failed round trip"))
             return
+        try:
+            conn = self._connect()
+        except Refused as exc:
+            self._failed(exc, batch, None)
+            return
+        except (OSError, wire.WireError) as exc:
+            self._failed(SidecarDown(f"{type(exc).__name__}: {exc}"), batch, None)
+            return
+        gen = self.generation
+        step = wire.Step()
+        sent: list[tuple[str, Future | None]] = []
+        for kind, op, f in batch:
+            if kind == "admit":
+                step.admits.append(op)
+            else:
+                payload, op_gen = op
+                if op_gen != gen:  # its sequence went with an older connection: nothing to do
+                    if f is not None:
+                        f.set_exception(SidecarDown("the sequence's session ended"))
+                    continue
+                if kind == "commit":
+                    step.commits.append(payload)
+                else:
+                    step.releases.append(payload)
+            sent.append((kind, f))
         with self._lock:
-            leftover, self._leftover = self._leftover[:MAX_BATCH - len(ops)], self._leftover[MAX_BATCH - len(ops):]
-            report = self.report.take()
-        cleanup = [{"op": "release", "seq_id": s} for s in leftover]
+            step.report = self.report.take()
+        if not (step.admits or step.commits or step.releases or step.report):
+            return
         start = time.perf_counter()
         try:
-            try:
-                results = send_batch(self._client, cleanup + ops, report) if cleanup or ops or report else []
-            except SidecarError:
-                if not cleanup + ops:
-                    raise
-                # The batch as a whole was refused (one op's body is invalid): send each op on its own,
-                # so that only the bad one fails (its error names the field).
-                results = [self._one(op, report if i == 0 else None) for i, op in enumerate(cleanup + ops)]
-        except Exception as exc:
-            self.backoff.failed(exc)
-            with self._lock:
-                self._leftover = leftover + self._leftover
-                if report is not None:
-                    self.report.merge(report)
-            # An admission may have been applied before the answer was lost: release it later.
-            self._keep_releases(ops, admits_too=True)
-            error = exc if isinstance(exc, SidecarDown) else SidecarDown(str(exc))
-            for f in futures:
-                f.set_exception(error)
+            reply = conn.step(step)
+        except (OSError, wire.WireError, Refused) as exc:
+            self._conn = None
+            conn.close()
+            self._failed(SidecarDown(f"{type(exc).__name__}: {exc}"), batch, step.report)
             return
         elapsed = time.perf_counter() - start
         self.round_trips += 1
         self.backoff.succeeded()
-        admits = sum(op["op"] == "admit" for op in ops)
-        if admits:
+        if step.admits:
             with self._lock:
-                self.report.lookup_seconds.extend([elapsed] * admits)
-        for f, result in zip(futures, results[len(cleanup):], strict=True):
-            if isinstance(result, OpFailed):
-                f.set_exception(result)
+                self.report.lookup_seconds.extend([elapsed] * len(step.admits))
+        results = {"admit": iter(reply.admits), "commit": iter(reply.commits), "release": iter(reply.releases)}
+        for kind, f in sent:
+            result = next(results[kind], None)
+            if f is None:
+                continue
+            if isinstance(result, wire.Failed):
+                f.set_exception(OpFailed(result.error, result.detail, result.field))
+            elif kind == "admit":
+                f.set_result((gen, result))
             else:
                 f.set_result(result)
 
-    def _one(self, op: dict[str, Any], report: dict[str, Any] | None) -> Any:
-        try:
-            return send_batch(self._client, [op], report)[0]
-        except SidecarError as exc:
-            return OpFailed(exc.error, exc.detail, exc.field.removeprefix("ops.0."))
-
-    def _keep_releases(self, ops: list[dict[str, Any]], admits_too: bool = False) -> None:
-        kinds = ("release", "admit") if admits_too else ("release",)
-        seqs = [op["seq_id"] for op in ops if op["op"] in kinds]
-        with self._lock:
-            self._leftover = (self._leftover + seqs)[-MAX_LEFTOVER_RELEASES:]
+    def _failed(self, exc: Exception, batch: list[_Item], report: wire.Report | None) -> None:
+        self.backoff.failed(exc)
+        if report is not None:
+            with self._lock:
+                self.report.merge(report)
+        error = exc if isinstance(exc, SidecarDown) else SidecarDown(str(exc))
+        for _, _, f in batch:
+            if f is not None:
+                f.set_exception(error)

@@ -3,28 +3,43 @@
 Per request: one admission to the sidecar by the engine's own block hashes (which holds the pool's
 hit pages until the request is released, so nothing it promised can be evicted before it is loaded),
 then, step by step, which pool pages to load into which engine blocks and which newly computed full
-blocks to save into which pool pages. The worker copies and commits (:mod:`.worker`).
+blocks to save into which pool pages. The worker copies (:mod:`.worker`); this side commits and releases.
+
+Ordering, through the engine's own channel (never two links for one request):
+* step ``k``'s saves are committed only once the worker has reported step ``k`` done (its saves are
+  written: the engine runs ``wait_for_save`` before it returns the step's output), and never past a
+  save that failed;
+* a request that had saves is finished only through the engine's completion channel: ``finished``
+  returns True (the engine keeps its blocks), the worker reports it in ``finished_sending`` once the
+  engine has told it the request finished, and only then :meth:`SchedulerSide.sent` releases it, on the
+  same link and after its commits.
 
 Rules the engine sets:
 * only full blocks are cached, and the last prompt token is always computed (the engine needs its
   logits), so at most ``(prompt_len - 1) // block_size`` blocks are loaded;
 * the engine reports its own local hit; the pool serves only what lies beyond it.
+
+A lookup costs a scheduling step at most ``lookup_wait`` in all, and a request waits for its lookup at
+most ``lookup_wait`` from its first ask (then it is served without the pool): a sidecar that does not
+answer costs the engine a millisecond a step, never a timeout.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import secrets
 import time
+from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool_sidecar.engines.link import OpFailed, SidecarDown, SidecarLink
+from kvpool_sidecar import wire
+from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLink
 
 log = logging.getLogger("kvpool.engine")
+META_FIELDS = ("tenant", "workload_class", "request_type", "turn", "user")
+MAX_PENDING_STEPS = 1024  # steps whose worker report is awaited (an engine has a handful in flight)
 
 
 @dataclass(frozen=True)
@@ -33,24 +48,44 @@ class LoadJob:
     epoch: int
     pages: list[int]  # pool pages, in prompt order
     blocks: list[int]  # the engine blocks they go into
+    valid: bool = True  # False: the admission's session ended; the worker reports the blocks failed
 
 
 @dataclass(frozen=True)
 class SaveJob:
     req_id: str
-    seq_id: str
     epoch: int
     pages: list[int]  # pool pages the sidecar allocated for these blocks
     blocks: list[int]  # engine blocks whose KV is complete after this step
-    commit_tokens: int  # commit the sequence up to here once the copy is done
 
 
 @dataclass
 class StepPlan:
     """What the worker does around one forward pass (the engine's connector metadata)."""
 
+    step: int = 0
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass
+class StepDone:
+    """What the worker reports of the steps it ran (summed over its ranks)."""
+
+    steps: dict[int, int] = field(default_factory=dict)  # step -> ranks that ran it
+    failed_saves: set[tuple[int, str]] = field(default_factory=set)  # (step, req_id)
+    report: Report = field(default_factory=Report)
+
+    def merge(self, other: StepDone) -> StepDone:
+        for step, n in other.steps.items():
+            self.steps[step] = self.steps.get(step, 0) + n
+        self.failed_saves |= other.failed_saves
+        r, o = self.report, other.report
+        r.loaded_tokens += o.loaded_tokens
+        r.saved_tokens += o.saved_tokens
+        for op, n in o.failures.items():
+            r.fail(op, n)
+        return self
 
 
 def loadable_tokens(pool_pages: int, local_tokens: int, prompt_len: int, block_size: int) -> int:
@@ -64,15 +99,18 @@ class _Request:
     seq_id: str
     prompt_len: int
     num_pages: int  # full prompt pages admitted
+    asked_at: float = 0.0
     future: Future | None = None
     page_ids: list[int] = field(default_factory=list)
     epoch: int | None = None
+    generation: int = 0  # the link connection its admission lives on
     pool_pages: int = 0  # leading pages the pool held at admission
     local_tokens: int = 0
     allocated: bool = False  # the engine gave it blocks (a later lookup means it was preempted)
     blocks: list[int] = field(default_factory=list)
     load: tuple[int, int] | None = None  # (first block index, count) still to load
-    saved: int = 0  # pages [0, saved) are in the pool or being saved this step
+    saved: int = 0  # pages [0, saved) are in the pool or being saved
+    save_failed: bool = False  # nothing past a failed save is committed
 
     @property
     def active(self) -> bool:
@@ -80,37 +118,56 @@ class _Request:
 
 
 class SchedulerSide:
-    def __init__(self, link: SidecarLink, block_size: int, *, lookup_wait: float = 0.001,
-                 default_meta: dict[str, Any] | None = None) -> None:
+    def __init__(self, link: SidecarLink, block_size: int, *, session: str, lookup_wait: float = 0.002,
+                 world_size: int = 1, default_meta: dict[str, Any] | None = None,
+                 trust_request_params: bool = False, clock: Any = time.monotonic) -> None:
         self.link = link
         self.block_size = block_size
         self.lookup_wait = lookup_wait
+        self.world_size = world_size
         self.default_meta = dict(default_meta or {})
+        self.trust_request_params = trust_request_params
+        self.clock = clock
         self._requests: dict[str, _Request] = {}
+        self._finishing: dict[str, _Request | None] = {}  # finished, waiting for finished_sending
         self._wait_until: float | None = None  # the step's waiting budget: lookup_wait in all, not per request
-        self._ids = itertools.count()
-        self._prefix = f"vllm-{secrets.token_hex(4)}"
+        self._next_id = 0
+        self._prefix = session
+        self._step = 0
+        # step -> [(req_id, request, pages saved up to)] awaiting the worker's report
+        self._pending: dict[int, list[tuple[str, _Request, int]]] = {}
+        # Requests that had a save job, as the worker saw them: they finish through finished_sending.
+        self._saved: set[str] = set()
+        self._done: dict[int, int] = {}  # ranks that reported each pending step so far
+        self._failed: set[tuple[int, str]] = set()
+        self._order: deque[int] = deque()
 
     # ------------------------------------------------------------------------------ lookups
-    def matched_tokens(self, req_id: str, block_hashes: list[str], prompt_len: int, local_tokens: int,
+    def matched_tokens(self, req_id: str, block_hashes: list[bytes], prompt_len: int, local_tokens: int,
                        params: dict[str, Any] | None) -> int | None:
         """Tokens past ``local_tokens`` to load from the pool; None: ask again next step."""
         req = self._requests.get(req_id)
         if req is not None and req.allocated:  # preempted and back: start over with a fresh admission
-            self._release(req)
+            self._forget(req_id, req)
             req = None
         if req is None:
             req = self._admit(req_id, block_hashes, prompt_len, params)
         req.local_tokens = local_tokens
         if req.future is not None:
-            now = time.monotonic()
+            now = self.clock()
             if self._wait_until is None:
                 self._wait_until = now + self.lookup_wait
+            deadline = min(self._wait_until, req.asked_at + self.lookup_wait)
             try:
                 # Waiting (not polling) also lets the link's thread take the GIL from a busy engine loop.
-                result = req.future.result(timeout=max(0.0, self._wait_until - now))
+                gen, result = req.future.result(timeout=max(0.0, deadline - now))
             except FutureTimeout:
-                return None
+                if now < req.asked_at + self.lookup_wait:
+                    return None
+                # Its own budget is spent: served without the pool (released once the answer comes).
+                self._give_up(req)
+                self.link.record(lambda r: r.fail("lookup"))
+                return 0
             except (SidecarDown, OpFailed) as exc:
                 req.future = None
                 if isinstance(exc, OpFailed):
@@ -118,9 +175,10 @@ class SchedulerSide:
                 self.link.record(lambda r: r.fail("lookup"))
                 return 0
             req.future = None
-            req.page_ids = result["page_ids"]
-            req.epoch = result["storage_epoch"]
-            req.pool_pages = result["num_cached_tokens"] // self.block_size
+            req.generation = gen
+            req.page_ids = result.page_ids
+            req.epoch = result.epoch
+            req.pool_pages = result.cached_tokens // self.block_size
             req.saved = req.pool_pages
             if req.epoch is None:
                 log.warning("kvpool: the sidecar keeps no KV storage (start it with --kv-shape): nothing to load")
@@ -130,18 +188,39 @@ class SchedulerSide:
             return 0
         return loadable_tokens(req.pool_pages, local_tokens, prompt_len, self.block_size)
 
-    def _admit(self, req_id: str, block_hashes: list[str], prompt_len: int,
+    def _admit(self, req_id: str, block_hashes: list[bytes], prompt_len: int,
                params: dict[str, Any] | None) -> _Request:
-        req = _Request(f"{self._prefix}-{next(self._ids)}", prompt_len, len(block_hashes))
+        self._next_id += 1
+        req = _Request(f"{self._prefix}-{self._next_id}", prompt_len, len(block_hashes), asked_at=self.clock())
         self._requests[req_id] = req
         if block_hashes and self.link.available():
-            meta = {**self.default_meta, **_meta_of(params)}
-            op = {"op": "admit", "seq_id": req.seq_id, "block_hashes": block_hashes,
-                  "num_tokens": len(block_hashes) * self.block_size}
-            if meta:
-                op["meta"] = meta
-            req.future = self.link.submit(op)
+            meta = self.meta_of(params)
+            op = wire.Admit(req.seq_id, block_hashes, len(block_hashes) * self.block_size,
+                            wire.Meta(**meta) if meta else None)
+            req.future = self.link.admit(op)
         return req
+
+    def meta_of(self, params: dict[str, Any] | None) -> dict[str, Any]:
+        """A request's workload metadata: the configured defaults, and what its ``kv_transfer_params`` say
+        only when the deployment trusts them (an OpenAI body is the client's: by default it chooses
+        neither its tenant, its class nor anything else the pool keys or partitions by)."""
+        meta = dict(self.default_meta)
+        if self.trust_request_params and params:
+            meta.update({k: params[k] for k in META_FIELDS if k in params})
+        return meta
+
+    def _give_up(self, req: _Request) -> None:
+        future, req.future = req.future, None
+        assert future is not None
+
+        def release_late(f: Future) -> None:
+            try:
+                gen, _ = f.result()
+            except Exception:
+                return
+            self.link.release(req.seq_id, gen)
+
+        future.add_done_callback(release_late)
 
     # ------------------------------------------------------------------------------- blocks
     def allocated(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
@@ -158,45 +237,101 @@ class SchedulerSide:
         """``scheduled``: (req_id, block ids: all when ``replace`` else the new ones or None, replace,
         tokens computed before this step, tokens scheduled in it), for every request in the step."""
         self._wait_until = None  # the engine builds the plan once per step, after every lookup of it
-        plan = StepPlan()
+        self._step += 1
+        plan = StepPlan(self._step)
         bs = self.block_size
+        live = self.link.generation
+        committing: list[tuple[str, _Request, int]] = []
         for req_id, block_ids, replace, computed, scheduled_tokens in scheduled:
             req = self._requests.get(req_id)
             if req is None or req.epoch is None:
                 continue
             if block_ids is not None:
                 req.blocks = list(block_ids) if replace else req.blocks + list(block_ids)
+            valid = req.generation == live
             if req.load is not None:
                 first, count = req.load
                 req.load = None
+                # A load promised on a connection that is gone must not read pages the sidecar freed:
+                # the worker reports those blocks failed and the engine recomputes them.
                 plan.loads.append(LoadJob(req_id, req.epoch, req.page_ids[first : first + count],
-                                          req.blocks[first : first + count]))
+                                          req.blocks[first : first + count], valid))
+            if not valid:
+                continue
             upto = min((computed + scheduled_tokens) // bs, req.num_pages, len(req.blocks))
-            if upto > req.saved:
-                plan.saves.append(SaveJob(req_id, req.seq_id, req.epoch, req.page_ids[req.saved : upto],
-                                          req.blocks[req.saved : upto], upto * bs))
+            if upto > req.saved and not req.save_failed:
+                plan.saves.append(SaveJob(req_id, req.epoch, req.page_ids[req.saved : upto],
+                                          req.blocks[req.saved : upto]))
                 req.saved = upto
+                self._saved.add(req_id)
+                committing.append((req_id, req, upto))
+        if committing:
+            self._pending[plan.step] = committing
+            self._order.append(plan.step)
+            while len(self._order) > MAX_PENDING_STEPS:  # a worker that never reports: commit nothing
+                self._pending.pop(self._order.popleft(), None)
         return plan
 
+    def worker_done(self, done: StepDone) -> None:
+        """The worker ran these steps: commit their saves (each rank's write is in), in step order."""
+        for step, n in done.steps.items():
+            if step in self._pending:
+                self._done[step] = self._done.get(step, 0) + n
+        self._failed |= done.failed_saves
+        r = done.report
+        if not r.empty():
+            self.link.record(lambda rep: _merge(rep, r))
+        while self._order and self._done.get(self._order[0], 0) >= self.world_size:
+            step = self._order.popleft()
+            self._done.pop(step, None)
+            for req_id, req, upto in self._pending.pop(step, ()):
+                if (step, req_id) in self._failed:
+                    req.save_failed = True
+                if req.save_failed:
+                    continue
+                if req.epoch is not None:
+                    self.link.commit(req.seq_id, upto * self.block_size, req.generation)
+            self._failed = {(s, rid) for s, rid in self._failed if s > step}
+
     # ------------------------------------------------------------------------------ the end
-    def finished(self, req_id: str) -> None:
+    def finished(self, req_id: str) -> bool:
+        """The engine is done with the request. True: it had saves, so it finishes through the worker's
+        ``finished_sending`` (and is released then, after its commits); False: released now."""
         req = self._requests.pop(req_id, None)
+        if req_id in self._saved:
+            self._saved.discard(req_id)
+            self._finishing[req_id] = req
+            return True
         if req is not None:
             self._release(req)
+        return False
+
+    def sent(self, req_ids: set[str] | None) -> None:
+        """The worker finished these requests' saves (every rank): release them, after their commits."""
+        for req_id in req_ids or ():
+            req = self._finishing.pop(req_id, None)
+            if req is not None:
+                self._release(req)
+
+    def _forget(self, req_id: str, req: _Request) -> None:
+        """A preempted request starts over: its old sequence goes (commits still in flight for it are
+        refused, which only loses those saves)."""
+        del self._requests[req_id]
+        self._release(req)
 
     def _release(self, req: _Request) -> None:
-        # Queued behind its admission on the same link, so the sidecar sees them in order.
-        if req.active:
-            self.link.submit({"op": "release", "seq_id": req.seq_id})
-        req.future = None
+        if req.future is not None:
+            self._give_up(req)
+        elif req.epoch is not None:
+            self.link.release(req.seq_id, req.generation)
         req.epoch = None
 
     def tracked(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._finishing)
 
 
-def _meta_of(params: dict[str, Any] | None) -> dict[str, Any]:
-    """The workload metadata a request carries in its ``kv_transfer_params`` (the sidecar validates it)."""
-    if not params:
-        return {}
-    return {k: params[k] for k in ("tenant", "workload_class", "request_type", "turn", "user") if k in params}
+def _merge(into: Report, r: Report) -> None:
+    into.loaded_tokens += r.loaded_tokens
+    into.saved_tokens += r.saved_tokens
+    for op, n in r.failures.items():
+        into.fail(op, n)

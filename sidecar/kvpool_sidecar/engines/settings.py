@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+DEFAULT_SOCKET = "/tmp/kvpool/engine.sock"  # the sidecar's --engine-socket default
+
 
 class ConnectorConfigError(ValueError):
     """A bad ``kv_connector_extra_config``; the message names the field and the rule."""
@@ -25,12 +27,15 @@ class DefaultMeta(BaseModel):
 class ConnectorSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    url: Annotated[str, Field(pattern=r"^https?://[^/\s]+$")] = "http://127.0.0.1:8000"
+    socket: Annotated[str, Field(min_length=1, max_length=107, pattern=r"^/")] = DEFAULT_SOCKET
     token: str | None = Field(default=None, min_length=16, description="the sidecar's bearer token")
     token_file: str | None = Field(default=None, description="a file holding it (a mounted Secret)")
-    lookup_wait_ms: Annotated[float, Field(ge=0, le=100)] = 1.0
+    lookup_wait_ms: Annotated[float, Field(ge=0, le=100)] = 2.0
     timeout_s: Annotated[float, Field(gt=0, le=60)] = 2.0
     defaults: DefaultMeta = Field(default_factory=DefaultMeta)
+    trust_request_params: bool = Field(
+        default=False, description="take tenant, class, turn and user from a request's kv_transfer_params "
+        "(a client's OpenAI body): only where a gateway strips and sets them")
     kernels: Literal["triton", "triton-interpreter", "torch"] | None = None
 
     @model_validator(mode="after")

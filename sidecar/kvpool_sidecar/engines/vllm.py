@@ -5,17 +5,19 @@ The only module that imports vllm. Load it with::
     --kv-transfer-config '{"kv_connector": "KVPoolConnector",
         "kv_connector_module_path": "kvpool_sidecar.engines.vllm", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"url": "http://127.0.0.1:8000", "token_file": "/var/run/kvpool/token"}}'
+        "kv_connector_extra_config": {"socket": "/tmp/kvpool/engine.sock", "token_file": "/var/run/kvpool/token"}}'
 
-A request's tenant and workload class come from its ``kv_transfer_params`` (``tenant``, ``workload_class``,
-``request_type``, ``turn``, ``user``; in the OpenAI API, the request body's ``kv_transfer_params``), else
-from ``defaults`` in the extra config. The scheduler half is :mod:`.scheduler`, the worker half
-:mod:`.worker`; this class only translates vLLM's objects.
+A request's tenant and workload class are ``defaults`` of the extra config. A request's own
+``kv_transfer_params`` (``tenant``, ``workload_class``, ``request_type``, ``turn``, ``user``; in the OpenAI API
+a field of the client's request body) count only with ``trust_request_params: true``, for deployments whose
+gateway sets them. The scheduler half is :mod:`.scheduler`, the worker half :mod:`.worker`; this class only
+translates vLLM's objects. Both halves talk to the sidecar on its engine channel (``socket``).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,12 +26,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from kvpool_sidecar.client import SidecarClient
+from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import LayoutError, engine_layers
-from kvpool_sidecar.engines.link import SidecarLink
-from kvpool_sidecar.engines.scheduler import SchedulerSide, StepPlan
+from kvpool_sidecar.engines.identity import model_identity
+from kvpool_sidecar.engines.link import SidecarLink, fetch_welcome
+from kvpool_sidecar.engines.scheduler import SchedulerSide, StepDone, StepPlan
 from kvpool_sidecar.engines.settings import parse_settings
 from kvpool_sidecar.engines.worker import WorkerSide
 
@@ -40,6 +44,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvpool.engine")
@@ -50,11 +55,27 @@ class KVPoolMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
 
 
+@dataclass
+class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
+    done: StepDone = field(default_factory=StepDone)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVPoolWorkerMetadata)
+        return KVPoolWorkerMetadata(StepDone().merge(self.done).merge(other.done))
+
+
 class KVPoolConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = parse_settings(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
+        parallel = vllm_config.parallel_config
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(parallel, name, 1) > 1:
+                raise LayoutError(
+                    f"KVPoolConnector does not support {name}={getattr(parallel, name)} yet: every rank would "
+                    "write its shard into the same pool pages. Run it with tensor_parallel_size=1 and "
+                    "pipeline_parallel_size=1, or without the connector")
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:
             raise LayoutError(f"KVPoolConnector supports one KV cache group, the model has {len(groups)}")
@@ -62,20 +83,25 @@ class KVPoolConnector(KVConnectorBase_V1):
         if failure_policy != "recompute":
             log.warning("kvpool: kv_load_failure_policy is %r: a failed load fails its request; "
                         "'recompute' makes the engine recompute it instead", failure_policy)
+        self.model = model_identity(vllm_config, kv_cache_config)
+        session = f"vllm-{getattr(vllm_config, 'instance_id', '') or 'x'}-{secrets.token_hex(4)}"
+        self._hello = wire.Hello(wire.PROTOCOL, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
+                                 session, self.model, self.settings.bearer())
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            link = SidecarLink(self.settings.url, token=self.settings.bearer(), timeout=self.settings.timeout_s)
+            link = SidecarLink(self.settings.socket, self._hello, timeout=self.settings.timeout_s)
             self._scheduler = SchedulerSide(
-                link, self.block_size, lookup_wait=self.settings.lookup_wait_ms / 1000,
+                link, self.block_size, session=session, lookup_wait=self.settings.lookup_wait_ms / 1000,
                 default_meta=self.settings.defaults.model_dump(),
+                trust_request_params=self.settings.trust_request_params,
             )
 
     # ================================================================== scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        hashes = [h.hex() if isinstance(h, bytes) else str(h) for h in request.block_hashes]
+        hashes = [h if isinstance(h, bytes) else str(h).encode() for h in request.block_hashes]
         tokens = self._scheduler.matched_tokens(request.request_id, hashes, request.num_tokens, num_computed_tokens,
                                                 request.kv_transfer_params)
         return tokens, False
@@ -98,16 +124,24 @@ class KVPoolConnector(KVConnectorBase_V1):
                               cached.num_computed_tokens[i], counts[req_id]))
         return KVPoolMetadata(self._scheduler.plan(scheduled))
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KVPoolWorkerMetadata):
+            self._scheduler.worker_done(meta.done)  # commits first ...
+        self._scheduler.sent(connector_output.finished_sending)  # ... then releases, on the same link
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        self._scheduler.finished(request.request_id)
-        return False, None  # saves are synchronous: the engine may free the blocks now
+        # True: its saves finish through get_finished (the engine keeps its blocks until then).
+        return self._scheduler.finished(request.request_id), None
 
     # ===================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = engine_layers(kv_caches, self._kv_cache_config.num_blocks)
-        client = SidecarClient(self.settings.url, token=self.settings.bearer(), timeout=self.settings.timeout_s)
-        self._worker = WorkerSide(client, layers, self.block_size, backend=self.settings.kernels)
+        socket_path, hello, timeout = self.settings.socket, self._hello, self.settings.timeout_s
+        self._worker = WorkerSide(lambda: fetch_welcome(socket_path, hello, timeout), layers, self.block_size,
+                                  backend=self.settings.kernels)
         self._worker.attach(strict=True)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
@@ -128,7 +162,18 @@ class KVPoolConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolMetadata) and self._worker is not None
-        self._worker.save(meta.plan.saves)
+        self._worker.save(meta.plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.finished(finished_req_ids) or None, None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        done = self._worker.take_done()
+        return KVPoolWorkerMetadata(done) if done is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -1,22 +1,27 @@
-"""The worker's half of an engine connector: map the sidecar's pool, copy pages, commit what was saved.
+"""The worker's half of an engine connector: map the sidecar's pool, copy pages, report what it wrote.
 
 Safety rules (a wrong KV page is a wrong answer):
 * every job names the storage epoch its page ids came from; the worker copies only into and out of a
   mapping of that epoch (re-mapping when the sidecar restarted), else the job fails: a failed load is
-  reported so the engine recomputes those blocks, a failed save is simply not committed;
-* a save is committed (made visible to other requests) only after its copy is complete. The commit
-  itself travels asynchronously (a :class:`~.link.SidecarLink`): a commit that arrives after its
-  request was released, or at a restarted sidecar, is refused by the sidecar, which is harmless.
+  reported so the engine recomputes those blocks, a failed save is reported so that the scheduler never
+  commits it (nor anything of that request after it);
+* the worker never commits: it reports each step it ran (:class:`~.scheduler.StepDone`, through the
+  engine's own worker-to-scheduler metadata) and the scheduler commits a step's saves once every rank
+  has reported it. Requests that had saves are reported in ``finished_sending`` once the engine says
+  they finished, so their release follows their commits.
+
+The worker talks to the sidecar only to fetch the pool's storage handle (at start and after a restart).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from kvpool_sidecar.client import SidecarClient, SidecarError
+from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import EngineLayer, LayoutError, PageCopier, check_compatible
-from kvpool_sidecar.engines.link import Backoff, Report, SidecarDown, SidecarLink
-from kvpool_sidecar.engines.scheduler import LoadJob, SaveJob
+from kvpool_sidecar.engines.link import Backoff, Refused, SidecarDown
+from kvpool_sidecar.engines.scheduler import LoadJob, SaveJob, StepDone, StepPlan
 from kvpool_sidecar.storage import KVStorage, StaleHandle
 from kvpool_sidecar.storage.tensors import AttachedKV
 
@@ -24,22 +29,17 @@ log = logging.getLogger("kvpool.engine")
 
 
 class WorkerSide:
-    def __init__(self, client: SidecarClient, layers: list[EngineLayer], block_size: int, *,
-                 backend: str | None = None, backoff: Backoff | None = None, link: SidecarLink | None = None) -> None:
-        self.client = client
+    def __init__(self, welcome: Callable[[], wire.Welcome], layers: list[EngineLayer], block_size: int, *,
+                 backend: str | None = None, backoff: Backoff | None = None) -> None:
+        self.welcome = welcome  # the sidecar's storage handle, fetched on the channel
         self.layers = layers
         self.block_size = block_size
         self.copier = PageCopier(layers, backend)
         self.backoff = backoff or Backoff("sidecar (worker)")
-        # Commits and reports: batched, off the forward path. Shares the backoff with the mapping.
-        self.link = link or SidecarLink(str(client.base_url), token=client.token, timeout=client.timeout,
-                                        backoff=self.backoff, name="kvpool-worker-link")
+        self.done = StepDone()  # what the next worker metadata carries
+        self._saved: set[str] = set()  # requests that had a save job (they finish through finished_sending)
         self._mapped: AttachedKV | None = None
         self._incompatible: str | None = None
-
-    @property
-    def report(self) -> Report:
-        return self.link.report
 
     # ----------------------------------------------------------------------------- mapping
     def attach(self, *, strict: bool) -> None:
@@ -53,7 +53,7 @@ class WorkerSide:
         except LayoutError:
             if strict:
                 raise
-        except (StaleHandle, SidecarError, OSError, ValueError) as exc:
+        except (StaleHandle, Refused, OSError, ValueError) as exc:
             if strict:
                 raise LayoutError(f"the sidecar's pool cannot be mapped here: {exc}") from None
 
@@ -61,16 +61,18 @@ class WorkerSide:
         if not self.backoff.available():
             raise SidecarDown("backing off")
         try:
-            handle = self.client.storage_handle()
-        except SidecarError as exc:
+            welcome = self.welcome()
+        except Refused as exc:
             self.backoff.failed(exc)
             raise
-        except Exception as exc:  # httpx errors, OSError
+        except Exception as exc:
             self.backoff.failed(exc)
             raise SidecarDown(str(exc)) from None
         self.backoff.succeeded()
+        if welcome.storage is None:
+            raise LayoutError("the sidecar keeps no KV storage: start it with --kv-shape")
         try:
-            check_compatible(self.layers, self.block_size, handle)
+            check_compatible(self.layers, self.block_size, welcome.storage)
         except LayoutError as exc:
             if self._incompatible != str(exc):
                 log.error("kvpool: refusing the pool: %s", exc)
@@ -80,7 +82,7 @@ class WorkerSide:
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
-        self._mapped = KVStorage.attach(handle)
+        self._mapped = KVStorage.attach(welcome.storage)
 
     def _mapping(self, epoch: int) -> AttachedKV | None:
         """A live mapping of the pool of ``epoch``, or None (that pool is gone or unreachable)."""
@@ -93,7 +95,7 @@ class WorkerSide:
                 pass
         try:
             self._remap()
-        except (LayoutError, SidecarDown, StaleHandle, SidecarError, ValueError):
+        except (LayoutError, SidecarDown, StaleHandle, Refused, ValueError, OSError):
             return None
         mapped = self._mapped
         return mapped if mapped is not None and mapped.epoch == epoch else None
@@ -104,7 +106,7 @@ class WorkerSide:
         failed: set[int] = set()
         loaded = 0
         for job in jobs:
-            mapped = self._mapping(job.epoch)
+            mapped = self._mapping(job.epoch) if job.valid else None
             if mapped is None:
                 failed.update(job.blocks)
                 continue
@@ -117,40 +119,49 @@ class WorkerSide:
                 continue
             loaded += len(job.pages) * self.block_size
         failures = sum(1 for job in jobs if failed.intersection(job.blocks))
-
-        def count(report: Report) -> None:
-            report.loaded_tokens += loaded
-            if failures:
-                report.fail("load", failures)
-
-        self.link.record(count)
+        self.done.report.loaded_tokens += loaded
+        if failures:
+            self.done.report.fail("load", failures)
         return failed
 
-    def save(self, jobs: list[SaveJob]) -> None:
-        """Copy each job's blocks into its pages, then commit them (asynchronously, one batch)."""
-        for job in jobs:
-            mapped = self._mapping(job.epoch)
-            if mapped is None:
-                self.link.record(lambda r: r.fail("save"))
-                continue
-            try:
-                self.copier.save(mapped.kv, job.blocks, job.pages)
-            except (RuntimeError, IndexError) as exc:
-                log.warning("kvpool: saving %d pages of %s failed (%s)", len(job.pages), job.req_id, exc)
-                self.link.record(lambda r: r.fail("save"))
-                continue
-            future = self.link.submit({"op": "commit", "seq_id": job.seq_id, "num_computed_tokens": job.commit_tokens})
-            tokens = len(job.pages) * self.block_size
-            future.add_done_callback(lambda f, n=tokens: self.link.record(
-                (lambda r: r.fail("save")) if f.exception() is not None else (lambda r: _add_saved(r, n))))
+    def save(self, plan: StepPlan) -> None:
+        """Copy each save job's blocks into its pages; the step is reported done with what failed."""
+        for job in plan.saves:
+            self._saved.add(job.req_id)
+            if not self._save(job):
+                self.done.failed_saves.add((plan.step, job.req_id))
+                self.done.report.fail("save")
+            else:
+                self.done.report.saved_tokens += len(job.pages) * self.block_size
+        self.done.steps[plan.step] = self.done.steps.get(plan.step, 0) + 1
+
+    def _save(self, job: SaveJob) -> bool:
+        mapped = self._mapping(job.epoch)
+        if mapped is None:
+            return False
+        try:
+            self.copier.save(mapped.kv, job.blocks, job.pages)
+            mapped.check()
+        except (StaleHandle, RuntimeError, IndexError) as exc:
+            log.warning("kvpool: saving %d pages of %s failed (%s)", len(job.pages), job.req_id, exc)
+            return False
+        return True
+
+    def take_done(self) -> StepDone | None:
+        """The steps run since the last call (for the engine's worker metadata), or None."""
+        if not self.done.steps and not self.done.failed_saves and self.done.report.empty():
+            return None
+        done, self.done = self.done, StepDone()
+        return done
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Of the requests the engine says finished, those that had saves: all written (saves are
+        synchronous), so they may be released now."""
+        out = self._saved & finished_req_ids
+        self._saved -= out
+        return out
 
     def close(self) -> None:
-        self.link.close()
         if self._mapped is not None:
             self._mapped.close()
             self._mapped = None
-        self.client.close()
-
-
-def _add_saved(report: Report, tokens: int) -> None:
-    report.saved_tokens += tokens

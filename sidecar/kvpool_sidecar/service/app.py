@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool_sidecar.config import SidecarConfig
+from kvpool_sidecar.service.channel import EngineChannel
 from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.service.http import (
     ERROR_RESPONSES,
@@ -43,20 +44,22 @@ EVENT_SETTLE_MS, EVENT_MAX_WAIT_MS, EVENT_WAKE_MS = 50, 400, 250
 def create_app(
     sidecar: Sidecar, *, token: str | Credentials | None = None, serve_metrics: bool = True, poll_interval: float = 0.5,
     pre_evict_interval: float = 1.0, on_shutdown: Callable[[], None] | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_socket: str | None = None,
 ) -> FastAPI:
+    credentials = as_credentials(token)
+    channel = EngineChannel(sidecar, engine_socket, credentials) if engine_socket else None
     app = FastAPI(
         title="kvpool sidecar",
         version="0.1.0",
         description="Paged KV-cache pool of one inference pod: prefix reuse, pins, partitions, eviction.",
-        lifespan=_lifespan(sidecar, poll_interval, pre_evict_interval, on_shutdown),
+        lifespan=_lifespan(sidecar, poll_interval, pre_evict_interval, on_shutdown, channel),
         responses=ERROR_RESPONSES,
     )
 
     install_error_handlers(app)
     app.add_middleware(BodyLimit, limit=lambda path: sidecar.max_body_bytes(path, max_body_bytes))
 
-    auth = authenticate(as_credentials(token))
+    auth = authenticate(credentials)
     app.include_router(sequence_routes(sidecar, auth))
     app.include_router(pin_routes(sidecar, auth))
     app.include_router(config_routes(sidecar, auth))
@@ -101,8 +104,9 @@ def create_app(
 
 def _lifespan(
     sidecar: Sidecar, poll_interval: float, pre_evict_interval: float, on_shutdown: Callable[[], None] | None,
+    channel: EngineChannel | None = None,
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
-    """The app's background jobs (config watch, idle pre-eviction) and its clean-up."""
+    """The app's background jobs (config watch, idle pre-eviction, the engine channel) and its clean-up."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -111,6 +115,9 @@ def _lifespan(
             jobs += [_config_file_events(sidecar), _poll_config(sidecar, poll_interval)]
         if pre_evict_interval > 0:
             jobs.append(_pre_evict_when_idle(sidecar, pre_evict_interval))
+        if channel is not None:
+            await channel.start()  # before the app answers: a ready sidecar's socket exists
+            jobs.append(channel.serve_until_cancelled())
         try:
             async with background(jobs):
                 yield

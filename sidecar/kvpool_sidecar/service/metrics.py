@@ -72,6 +72,14 @@ class SidecarMetrics:
             "kvpool_drift_events", "Reuse-rate drift beyond the configured threshold", ["workload_class"],
             registry=r,
         )
+        self.engine_sessions = Gauge(
+            "kvpool_engine_sessions", "Engine sessions connected on the engine channel (scheduler side)",
+            registry=r,
+        )
+        self.lapsed_sequences = Counter(
+            "kvpool_engine_lapsed_sequences", "Sequences released because their engine's session ended "
+            "(the engine exited, crashed or reconnected) while it still held them", registry=r,
+        )
         self.config_info = Gauge(
             "kvpool_config_info", "The config in force (value 1)", ["hash", "policy", "source"], registry=r,
         )

@@ -32,6 +32,7 @@ from kvpool_sidecar.service.state import (
 from kvpool_sidecar.storage import KVStorage, ModelShape, transfer
 
 DEFAULT_PAGES = 65_536
+DEFAULT_ENGINE_SOCKET = "/tmp/kvpool/engine.sock"  # the connector's default too; pods mount a shared emptyDir
 
 
 class ServeError(ValueError):
@@ -54,6 +55,7 @@ class ServeOptions:
     max_sequences: int = DEFAULT_MAX_SEQUENCES
     max_sequence_tokens: int = DEFAULT_MAX_SEQUENCE_TOKENS
     max_pins_per_owner: int = DEFAULT_MAX_PINS_PER_OWNER
+    engine_socket: str | None = DEFAULT_ENGINE_SOCKET  # the engine channel (None: off)
 
 
 def is_loopback(host: str) -> bool:
@@ -141,7 +143,7 @@ def serve(options: ServeOptions) -> None:
         # Metrics are read-only and open by design, but only where asked: loopback unless --metrics-host.
         start_http_server(options.metrics_port, options.metrics_host or "127.0.0.1", registry=sidecar.metrics.registry)
     app = create_app(sidecar, token=token, serve_metrics=not separate_metrics, on_shutdown=sidecar.close,
-                     max_body_bytes=options.max_body_bytes)
+                     max_body_bytes=options.max_body_bytes, engine_socket=options.engine_socket)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
     finally:

@@ -1,0 +1,154 @@
+"""The engine channel's messages: what a connector and its sidecar say to each other per scheduler step.
+
+One frame is a 4-byte big-endian length and a msgpack body (msgspec, the encoding vLLM itself uses for
+its KV events). A connection opens with :class:`Hello` (the engine's bearer token, its role, its
+session and the identity of the model it serves), answered by :class:`Welcome` or :class:`Refused`;
+then every :class:`Step` (all of one scheduler step's admissions, commits and releases, and the
+connector's measurements) is answered by one :class:`StepReply`, in order. Within a step the sidecar
+applies the commits first, then the releases, then the admissions (a request's last commit precedes its
+release; an admission sees what the step published and freed); the link queues ops in that spirit. Block hashes travel as
+raw bytes. The connection is the session's lease: when it closes (the engine exited or was killed)
+the sidecar releases every sequence the session still holds.
+
+This module is the contract only (types, limits, framing); the sidecar serves it
+(:mod:`kvpool_sidecar.service.channel`), the connector speaks it (:mod:`kvpool_sidecar.engines.link`).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+PROTOCOL = 1
+MAX_FRAME = 64 << 20  # bytes: 4,096 admissions of 4,096 32-byte hashes fit with room to spare
+MAX_OPS = 4096  # admissions, commits or releases in one step
+MAX_BLOCKS = 1 << 15  # block hashes in one admission (a million tokens in 32-token pages)
+MAX_HASH_BYTES = 64
+MAX_SEQ_ID = 128
+ROLES = ("scheduler", "worker")
+_LEN = struct.Struct(">I")
+
+
+class WireError(ValueError):
+    """A frame or message that breaks the protocol (the message names the field and the rule)."""
+
+
+class Meta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    workload_class: str = "toC"
+    request_type: str = "text"
+    turn: int = 0
+    tenant: str = "default"
+    user: str = ""
+
+
+class Hello(msgspec.Struct, tag="hello", array_like=True):
+    protocol: int
+    role: str
+    session: str  # the engine instance: its sequences are released together when it goes
+    model: str  # the served model's identity (name, revision, dtype, KV layout): keys are namespaced by it
+    token: str | None = None
+
+
+class Welcome(msgspec.Struct, tag="welcome", array_like=True):
+    session: str
+    storage: dict[str, Any] | None  # the storage handle (None: the sidecar keeps no KV)
+    page_size: int
+
+
+class Refused(msgspec.Struct, tag="refused", array_like=True):
+    error: str
+    detail: str
+    field: str = ""
+
+
+class Admit(msgspec.Struct, array_like=True):
+    seq_id: str
+    hashes: list[bytes]
+    num_tokens: int
+    meta: Meta | None = None
+
+
+class Commit(msgspec.Struct, array_like=True):
+    seq_id: str
+    num_tokens: int
+
+
+class Report(msgspec.Struct, array_like=True):
+    loaded_tokens: int = 0
+    saved_tokens: int = 0
+    lookup_seconds: list[float] = msgspec.field(default_factory=list)
+    failures: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class Step(msgspec.Struct, tag="step", array_like=True):
+    admits: list[Admit] = msgspec.field(default_factory=list)
+    commits: list[Commit] = msgspec.field(default_factory=list)
+    releases: list[str] = msgspec.field(default_factory=list)
+    report: Report | None = None
+
+
+class Admitted(msgspec.Struct, tag="admitted", array_like=True):
+    page_ids: list[int]
+    cached_tokens: int
+    epoch: int | None
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True):
+    error: str
+    detail: str
+    field: str = ""
+
+
+class StepReply(msgspec.Struct, tag="reply", array_like=True):
+    admits: list[Admitted | Failed]  # one per admission, in order
+    commits: list[int | Failed]  # pages published, one per commit, in order
+    releases: list[Failed | None]  # None: released
+
+
+Message = Hello | Welcome | Refused | Step | StepReply
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def frame(msg: Message) -> bytes:
+    body = _encoder.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    (n,) = _LEN.unpack(header)
+    if n > MAX_FRAME:
+        raise WireError(f"frame of {n} bytes: the limit is {MAX_FRAME}")
+    return n
+
+
+def decode(body: bytes) -> Message:
+    try:
+        return _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise WireError(f"invalid message: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise WireError(f"not a message: {exc}") from None
+
+
+def check_hello(msg: Hello) -> None:
+    if msg.protocol != PROTOCOL:
+        raise WireError(f"protocol {msg.protocol}: this sidecar speaks {PROTOCOL} (field protocol)")
+    if msg.role not in ROLES:
+        raise WireError(f"role {msg.role!r}: one of {', '.join(ROLES)} (field role)")
+    if not 0 < len(msg.session) <= MAX_SEQ_ID:
+        raise WireError(f"session must be 1-{MAX_SEQ_ID} characters (field session)")
+    if not 0 < len(msg.model) <= 4096:
+        raise WireError("model must be 1-4096 characters (field model)")
+
+
+def check_step(msg: Step) -> None:
+    """The bounds of one step (each op's own rules are the pool's, answered per op)."""
+    for name in ("admits", "commits", "releases"):
+        if len(getattr(msg, name)) > MAX_OPS:
+            raise WireError(f"{name}: at most {MAX_OPS} per step")
+    for i, adm in enumerate(msg.admits):
+        if len(adm.hashes) > MAX_BLOCKS:
+            raise WireError(f"admits.{i}.hashes: at most {MAX_BLOCKS} blocks")
