@@ -118,12 +118,13 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         port = free_port()
         services.append(subprocess.Popen(
             [bindir / "kvpool-sidecar", "serve", "--port", str(port), "--pages", str(args.pool_pages),
-             "--kv-shape", TINY_KV_SHAPE, "--config", str(work / "config.yaml"), "--log-level", "error"]))
+             "--kv-shape", TINY_KV_SHAPE, "--config", str(work / "config.yaml"), "--log-level", "error",
+             "--engine-socket", str(work / "engine.sock")]))
         sidecar_url = f"http://127.0.0.1:{port}"
         wait_http(sidecar_url + "/healthz")
         kv_transfer = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_sidecar.engines.vllm",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": {"url": sidecar_url}}
+                       "kv_connector_extra_config": {"socket": str(work / "engine.sock")}}
     elif system.startswith("lmcache"):
         port = free_port()
         gib = args.pool_pages * BYTES_PER_PAGE / 2**30

@@ -50,7 +50,7 @@ def main() -> int:
     print(f"rendered {POLICY.relative_to(ROOT)} with kvpool-operator render (pageSize {BLOCK}: the engine's block)")
     server = subprocess.Popen([bindir / "kvpool-sidecar", "serve", "--config", str(workdir / "config.yaml"),
                                "--port", str(PORT), "--pages", str(POOL_PAGES), "--kv-shape", KV_SHAPE,
-                               "--log-level", "error"])
+                               "--log-level", "error", "--engine-socket", str(workdir / "engine.sock")])
     url = f"http://127.0.0.1:{PORT}"
     try:
         for _ in range(300):
@@ -94,7 +94,7 @@ def replay_through_engine(url: str, workdir: Path) -> None:
               kv_transfer_config={"kv_connector": "KVPoolConnector",
                                   "kv_connector_module_path": "kvpool_sidecar.engines.vllm",
                                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                  "kv_connector_extra_config": {"url": url}})
+                                  "kv_connector_extra_config": {"socket": str(workdir / "engine.sock")}})
     sp = SamplingParams(max_tokens=1, temperature=0.0)
     total = computed = 0
     for p in tqdm(prompts, unit="req", desc=f"replaying {TRACE.name} through vLLM"):

@@ -164,13 +164,15 @@ def test_the_engine_is_wired_to_its_sidecar():
     assert transfer["kv_load_failure_policy"] == "recompute"
     settings = parse_settings(transfer["kv_connector_extra_config"])
     served = build_parser().parse_args(sidecar["args"])
-    assert settings.url == f"http://127.0.0.1:{served.port}"
+    assert settings.socket == served.engine_socket
     assert int(args[args.index("--block-size") + 1]) == docs["KVCachePolicy"]["spec"]["pageSize"]
     shape = parse_shape(served.kv_shape)
     volumes = {v["name"]: v for v in pod["volumes"]}
     for container in (engine, sidecar):
         shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
         assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+        run = next(m for m in container["volumeMounts"] if m["mountPath"] == str(Path(settings.socket).parent))
+        assert "emptyDir" in volumes[run["name"]]  # both containers see the engine channel's socket
     page_bytes = shape.bytes_per_page(docs["KVCachePolicy"]["spec"]["pageSize"])
     limit = volumes[shm["name"]]["emptyDir"]["sizeLimit"]
     assert served.pages * page_bytes <= int(limit.removesuffix("Gi")) * 2**30  # the pool fits its volume
@@ -209,7 +211,7 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     routed = build_parser().parse_args(router["args"])
     transfer = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
     settings = parse_settings(transfer["kv_connector_extra_config"] | {"token_file": None})
-    assert settings.url.startswith("http://127.0.0.1:")  # the engine stays on loopback
+    assert settings.socket.startswith("/run/kvpool/")  # the engine talks to its sidecar on a pod-local socket
     assert served.host == "0.0.0.0" and served.token_file and served.transfer_key_file and routed.warm_replicas
     wired = {
         "sidecar tokens": secret_behind(pod, sidecar, served.token_file),
