@@ -6,8 +6,9 @@ session and the identity of the model it serves), answered by :class:`Welcome` o
 then every :class:`Step` (all of one scheduler step's admissions, commits and releases, and the
 connector's measurements) is answered by one :class:`StepReply`, in order. Within a step the sidecar
 applies the commits first, then the releases, then the admissions (a request's last commit precedes its
-release; an admission sees what the step published and freed). Block hashes travel as raw bytes. The connection is the session's lease: when it closes (the engine exited or was killed)
-the sidecar releases every sequence the session still holds.
+release; an admission sees what the step published and freed). Block hashes travel as raw bytes.
+The connection is the session's lease: when it closes (the engine exited or was killed) the sidecar
+releases every sequence the session still holds.
 
 This module is the contract only (types, limits, framing); the sidecar serves it
 (:mod:`kvpool_sidecar.service.channel`), the connector speaks it (:mod:`kvpool_sidecar.engines.link`).
