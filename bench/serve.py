@@ -34,7 +34,6 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from engine import free_port, wait_http  # noqa: E402
-
 from kvpool_sidecar.engines.tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa: E402
 from kvpool_sidecar.engines.tiny_model import build_tiny_model  # noqa: E402
 from kvpool_sidecar.service.server import parse_shape  # noqa: E402
@@ -76,13 +75,19 @@ def metric(text: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
-def histogram_quantiles(text: str, name: str, qs: tuple[float, ...]) -> list[float | None]:
-    buckets = []
+def buckets_of(text: str, name: str) -> dict[float, float]:
+    out = {}
     for line in text.splitlines():
         if line.startswith(name + "_bucket{"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
-            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
-    buckets.sort()
+            out[float("inf") if le == "+Inf" else float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def histogram_quantiles(before: str, after: str, name: str, qs: tuple[float, ...]) -> list[float | None]:
+    """Quantiles (bucket upper bounds) of what a histogram observed between two scrapes."""
+    old = buckets_of(before, name)
+    buckets = sorted((le, n - old.get(le, 0.0)) for le, n in buckets_of(after, name).items())
     total = buckets[-1][1] if buckets else 0
     out: list[float | None] = []
     for q in qs:
@@ -133,12 +138,12 @@ class Stack:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
                "--block-size", str(BLOCK), "--max-model-len", "2048", "--enforce-eager", "--enable-prefix-caching",
                "--num-gpu-blocks-override", str(gpu_blocks), "--gpu-memory-utilization", "0.3",
-               "--port", str(self.port), "--host", "127.0.0.1", "--seed", "0", "--disable-log-stats"]
+               "--port", str(self.port), "--host", "127.0.0.1", "--seed", "0"]
         if kv_transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("TRITON_INTERPRET", None)
-        self.log = open(work / f"vllm-{system}.log", "w")  # noqa: SIM115
+        self.log = open(work / f"vllm-{system}.log", "w")
         self.procs.append(subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                            start_new_session=True))
         wait_http(self.url + "/health", deadline=300)
@@ -176,7 +181,8 @@ def run_bench(stack: Stack, args: argparse.Namespace, model: Path, concurrency: 
     cpu1 = cpu_seconds(stack.sidecar_pid) if stack.sidecar_pid else 0.0
     after = httpx.get(stack.url + "/metrics", timeout=10).text
     result = json.loads(out.read_text())
-    external = metric(after, "vllm:external_prefix_cache_hits_total") - metric(before, "vllm:external_prefix_cache_hits_total")
+    hits = "vllm:external_prefix_cache_hits_total"
+    external = metric(after, hits) - metric(before, hits)
     row = {
         "rps": result["request_throughput"], "ttft_p50": result["median_ttft_ms"],
         "ttft_p99": result["p99_ttft_ms"], "tpot": result["mean_tpot_ms"], "completed": result["completed"],
@@ -189,7 +195,7 @@ def run_bench(stack: Stack, args: argparse.Namespace, model: Path, concurrency: 
         side_after = httpx.get(stack.sidecar_url + "/metrics", timeout=10).text
         name = "kvpool_connector_lookup_seconds"
         if metric(side_after, name + "_count") > metric(side_before, name + "_count"):
-            row["rtt"] = histogram_quantiles(side_after, name, (0.5, 0.99))
+            row["rtt"] = histogram_quantiles(side_before, side_after, name, (0.5, 0.99))
     return row
 
 

@@ -154,3 +154,24 @@ def test_file_events_apply_a_change_well_under_a_second(tmp_path):
         kubelet_projection(projected, with_weights(0.7), 2)
         took = wait_for(lambda: c.config()["config"]["eviction"]["weights"]["reuse"] == 0.7, timeout=1.0)
         assert took < 1.0
+
+
+def test_writes_beside_the_config_file_wake_no_reload(tmp_path):
+    """A newcomer's ``serve --config ./config.yaml > sidecar.log``: the log's writes are not config changes."""
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(with_weights(0.6)))
+    with live_sidecar(config_path=path, poll_interval=30.0) as (url, sidecar), SidecarClient(url) as c:
+        time.sleep(0.3)  # the watch is set up
+        reads = []
+        poll = sidecar.poll_config_file
+        sidecar.poll_config_file = lambda *a: reads.append(1) or poll(*a)
+        with open(tmp_path / "sidecar.log", "a") as log:
+            for i in range(20):
+                log.write(f"line {i}\n")
+                log.flush()
+                time.sleep(0.05)
+        time.sleep(0.6)  # longer than the watcher's debounce
+        assert reads == []
+        path.write_text(yaml.safe_dump(with_weights(0.9)))  # the config itself still reloads at once
+        assert wait_for(lambda: c.config()["config"]["eviction"]["weights"]["reuse"] == 0.9, timeout=1.0) < 1.0
+        assert reads

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -143,14 +144,21 @@ async def _poll_config(sidecar: Sidecar, interval: float) -> None:
 async def _config_file_events(sidecar: Sidecar) -> None:
     """Apply the config file as soon as writes to its directory settle (inotify through watchfiles).
 
-    The directory, not the file, is watched: kubelet replaces a ConfigMap's files by renaming a new
-    ``..data`` symlink into place, which a watch on the old file would never see. Any failure to watch
-    (no inotify, its watch limit reached) leaves the poll to do the job.
+    The directory is watched, not the file: kubelet replaces a ConfigMap's files by renaming a new
+    ``..data`` symlink into place, which a watch on the old file would never see. Only events on the
+    config file's name or ``..data`` count: a log written beside the config (``serve --config
+    ./config.yaml > sidecar.log``) wakes nothing. Any failure to watch (no inotify, its watch limit
+    reached) leaves the poll to do the job.
     """
     assert sidecar.config_path is not None
     directory = sidecar.config_path.absolute().parent
+    names = {sidecar.config_path.name, "..data"}
+
+    def ours(_: watchfiles.Change, path: str) -> bool:
+        return os.path.basename(path) in names
+
     try:
-        async for _ in watchfiles.awatch(directory, watch_filter=None, step=EVENT_SETTLE_MS,
+        async for _ in watchfiles.awatch(directory, watch_filter=ours, step=EVENT_SETTLE_MS,
                                          debounce=EVENT_MAX_WAIT_MS, rust_timeout=EVENT_WAKE_MS):
             try:
                 await sidecar.run_background(sidecar.poll_config_file, True, heavy=True)

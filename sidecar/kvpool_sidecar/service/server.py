@@ -137,6 +137,7 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
 
 def serve(options: ServeOptions) -> None:
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("watchfiles").setLevel(logging.WARNING)  # the sidecar logs the reloads it applies
     sidecar, token = build(options)
     separate_metrics = options.metrics_port is not None
     if separate_metrics:
