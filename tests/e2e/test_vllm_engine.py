@@ -152,6 +152,32 @@ def test_f_a_request_finishing_in_its_saving_step_keeps_its_save(stack):
     assert from_pool >= PREFIX_BLOCKS * BLOCK and tokens == baseline
 
 
+def test_g_a_hung_sidecar_costs_no_stall_and_leaks_nothing_once_it_resumes(stack):
+    """SIGSTOP: requests keep being served at once (each lookup waits at most lookup_wait_ms, never the
+    link's timeout), with the right tokens; after SIGCONT the lapsed session's sequences are released."""
+    import signal
+
+    llm, sidecar = stack
+    prompts = [pair(700 + i)[0] for i in range(6)]
+    baselines = [generate(llm, p, fresh=True)[0] for p in prompts]
+    os.kill(sidecar.proc.pid, signal.SIGSTOP)
+    try:
+        worst = 0.0
+        for p, want in zip(prompts, baselines, strict=True):
+            start = time.perf_counter()
+            tokens, _ = generate(llm, p)
+            worst = max(worst, time.perf_counter() - start)
+            assert tokens == want
+        assert worst < 0.9  # the link's round-trip timeout is 1 s here: no request waited for it
+    finally:
+        os.kill(sidecar.proc.pid, signal.SIGCONT)
+    deadline = time.monotonic() + 15
+    while (stats := sidecar.get("/v1/stats"))["sequences"] or stats["in_use_pages"]:
+        generate(llm, prompts[0])  # the engine goes on; its old session's sequences must go
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.3)
+
+
 def test_connector_state_is_released_with_the_requests(stack):
     _, sidecar = stack
     time.sleep(0.3)  # the last release travels asynchronously
