@@ -32,6 +32,7 @@ def region_split(cached: int, length: int) -> list[tuple[str, int, int]]:
 class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        self._region_children: dict[str, list[tuple[Any, Any]]] = {}
         self.lookup_tokens = Counter(
             "kvpool_lookup_tokens", "Prompt tokens looked up at admission, by prompt region and class",
             ["workload_class", "region"], registry=r,
@@ -141,10 +142,15 @@ class SidecarMetrics:
             self.connector_failures.labels(operation).inc(n)
 
     def observe_admission(self, workload_class: str, cached: int, length: int, cross_user: int) -> None:
-        for region, hit, looked in region_split(cached, length):
-            self.lookup_tokens.labels(workload_class, region).inc(looked)
+        children = self._region_children.get(workload_class)
+        if children is None:  # labels() costs a lock and a lookup: once per class, not per admission
+            children = self._region_children[workload_class] = [
+                (self.lookup_tokens.labels(workload_class, r), self.hit_tokens.labels(workload_class, r))
+                for r in REGIONS]
+        for (looked_c, hit_c), (_, hit, looked) in zip(children, region_split(cached, length), strict=True):
+            looked_c.inc(looked)
             if hit:
-                self.hit_tokens.labels(workload_class, region).inc(hit)
+                hit_c.inc(hit)
         if cross_user:
             self.cross_user_hit_tokens.labels(workload_class).inc(cross_user)
 
