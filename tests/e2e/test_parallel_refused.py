@@ -1,0 +1,34 @@
+"""Tensor and pipeline parallelism are refused at start-up, naming the setting (the pool has no rank axis
+yet: two ranks would write their shards into the same pages). vLLM's own config objects, no engine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("KVPOOL_REQUIRE_ENGINE"):
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm", reason="the engine tests need the vllm extra (make test installs it)")
+
+from engine_support import BLOCK, CONNECTOR, engine_env, environment
+from kvpool_sidecar.engines.blocks import LayoutError
+from kvpool_sidecar.engines.tiny_model import build_tiny_model
+
+
+@pytest.mark.parametrize("setting", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_parallel_engine_is_refused_naming_the_setting(tmp_path_factory, setting):
+    from kvpool_sidecar.engines.vllm import KVPoolConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import EngineArgs
+
+    model = build_tiny_model(tmp_path_factory.mktemp("model"))
+    with environment(engine_env()):
+        config = EngineArgs(model=str(model), dtype="float32", block_size=BLOCK, max_model_len=2048,
+                            enforce_eager=True, **{setting: 2},
+                            kv_transfer_config={"kv_connector": "KVPoolConnector", "kv_role": "kv_both",
+                                                "kv_connector_module_path": CONNECTOR}).create_engine_config()
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(LayoutError, match=f"{setting}=2"):
+            KVPoolConnector(config, role, None)
