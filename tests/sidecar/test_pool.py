@@ -464,3 +464,33 @@ def test_a_partition_under_its_new_share_takes_its_own_victims_when_the_other_ha
     assert len(adm.page_ids) == 2 and adm.evicted_pages >= 2  # FIFO takes the whole chain from its head
     pool.check_invariants()
     assert pool.lookup([7] * PS * 4, meta=to_c) <= 2 * PS
+
+
+def test_a_flood_of_long_prompts_cannot_starve_later_ones_of_auto_pins():
+    """Auto-pins yield to newer ones, oldest first: the quota holds the most recent long prompts, never
+    only the first client's; a caller's own pin displaces auto-pins too, and one that cannot fit even so
+    changes nothing."""
+    now = [0.0]
+    spec = {"pageSize": PS, "eviction": {"policy": "lru"},
+            "pinning": {"quotaPercent": 25, "autoPin": {"minPromptTokens": 12}}}
+    pool = PagePool(80, KVCachePolicySpec.model_validate(spec), clock=lambda: now[0])  # quota: 20 pages
+    for i in range(12):  # the flood: 12 long prompts of 4 pages each, 48 pages against a 20-page quota
+        now[0] = float(i)
+        run(pool, f"flood{i}", [1000 + i] * 16)
+    assert pool.stats().pinned_pages <= pool.pin_quota
+    assert pool.autopins == 12 and pool.autopins_displaced >= 7 and pool.autopins_refused == 0
+    victim = list(range(16))
+    now[0] = 20.0
+    run(pool, "victim", victim)
+    assert any(r.auto and len(r.pages) == 4 and r.expires_at == 620.0 for r in pool.pins.values())  # pinned
+    # A caller's pin (the first flood prompt's pages, cached but no longer pinned) makes room the same way ...
+    record = pool.pin(tokens=[1000] * 16)
+    assert not record.auto and pool.stats().pinned_pages <= pool.pin_quota
+    # ... but a pin too big even once every auto-pin lapsed is refused and lapses none of them.
+    autos = {k for k, r in pool.pins.items() if r.auto}
+    run(pool, "huge", list(range(500, 600)))  # 25 pages: its auto-pin cannot fit the 20-page quota
+    assert pool.autopins_refused == 1
+    with pytest.raises(QuotaExceeded):
+        pool.pin(tokens=list(range(500, 600)))
+    assert {k for k, r in pool.pins.items() if r.auto} == autos
+    pool.check_invariants()

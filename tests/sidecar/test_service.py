@@ -392,3 +392,26 @@ def test_selector_label_sizes_are_bounded():
                 c.put_config({"pageSize": 4, "selector": selector})
             assert err.value.status == 422 and err.value.field == field
         assert sidecar.state.hash == before
+
+
+def test_auto_pins_are_listed_for_the_admin_removable_and_counted():
+    from kvpool_sidecar.config import SidecarConfig
+    from kvpool_sidecar.service.credentials import Credentials
+
+    config = SidecarConfig.model_validate({"pageSize": 4, "eviction": {"policy": "lru"},
+                                           "pinning": {"quotaPercent": 10, "autoPin": {"minPromptTokens": 8}}})
+    with live_sidecar(config, pages=80, token=Credentials.parse(TOKENS)) as (url, _):
+        admin = SidecarClient(url, token="admin-token-0123456789")
+        for i in range(6):  # 3-page prompts against an 8-page quota: the oldest auto-pins yield
+            admin.admit(f"s{i}", [100 + i] * 12)
+            admin.commit(f"s{i}", 12)
+            admin.release(f"s{i}")
+        listed = httpx.get(url + "/v1/pins", headers={"Authorization": "Bearer admin-token-0123456789"}).json()
+        autos = [p for p in listed["pins"] if p["auto"]]
+        assert len(autos) == 2 and all(p["pages"] == 3 for p in autos)
+        assert httpx.get(url + "/v1/pins", headers={"Authorization": "Bearer acme-token-0123456789"}).json() == {
+            "pins": []}  # a tenant sees only its own
+        admin.unpin(autos[0]["pin_id"])  # an admin removes an auto-pin
+        text = httpx.get(url + "/metrics").text
+        assert 'kvpool_autopins_total{result="pinned"} 6.0' in text
+        assert 'kvpool_autopins_total{result="displaced"} 4.0' in text

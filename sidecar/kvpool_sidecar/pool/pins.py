@@ -1,6 +1,11 @@
 """Pins: prefixes protected from eviction, by request or automatically (long prompts, hot prefixes),
 within a quota of the pool, with an optional TTL. Owns I6: pinned pages never exceed the quota, and a
 pinned page's parent is pinned too (a pin covers a whole prefix).
+
+Auto-pins are the pool's own and yield: a pin that does not fit the quota lapses the oldest auto-pins
+first (never a pin a caller made). So no traffic, however many long prompts it sends, can fill the quota
+and leave later prompts or callers without pins: the quota holds the most recent auto-pins, and every
+displacement and refusal is counted (``kvpool_autopins_total{result}``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class Pinning:
         self.pin_quota = 0  # set by the pool's config
         self.autopins = 0
         self.autopins_refused = 0
+        self.autopins_displaced = 0
+        self._auto_ids: dict[str, None] = {}  # live auto-pins, oldest first
         # First-page key -> recent admissions: a prefix above autoPin.minPrefixQPS keeps its shared
         # pages pinned (the page-length rule's sibling).
         self._prefix_rate = DecayedCounter(PREFIX_RATE_WINDOW)
@@ -61,8 +68,14 @@ class Pinning:
             raise InvalidRequest("nothing of that prefix is cached to pin", "tokens" if seq_id is None else "seq_id")
         return self._pin_pages(pages, ttl, now)
 
-    def _pin_pages(self, pages: list[int], ttl: float | None, now: float) -> Pin:
+    def _pin_pages(self, pages: list[int], ttl: float | None, now: float, auto: bool = False) -> Pin:
         new = sum(1 for p in pages if self._pins[p] == 0)
+        if self._pinned_pages + new > self.pin_quota and self._auto_ids and self._fits_without_auto(pages):
+            while self._pinned_pages + new > self.pin_quota:
+                # Room from the oldest auto-pin (its pages may overlap ``pages``: count again).
+                self.unpin(next(iter(self._auto_ids)), now)
+                self.autopins_displaced += 1
+                new = sum(1 for p in pages if self._pins[p] == 0)
         if self._pinned_pages + new > self.pin_quota:
             raise QuotaExceeded(
                 f"pinning {new} more pages would exceed the pin quota "
@@ -77,16 +90,31 @@ class Pinning:
             self._pins[page] += 1
         pin_id = f"pin-{secrets.token_hex(12)}"  # unguessable: a pin id is what lets its holder unpin
         expires = None if ttl is None else now + ttl
-        record = Pin(pin_id, tuple(pages), expires)
+        record = Pin(pin_id, tuple(pages), expires, auto)
         self._pin_records[pin_id] = record
+        if auto:
+            self._auto_ids[pin_id] = None
         if expires is not None:
             heapq.heappush(self._pin_expiry, (expires, pin_id))
         return record
+
+    def _fits_without_auto(self, pages: list[int]) -> bool:
+        """Whether ``pages`` would fit the quota once every auto-pin lapsed (else none is displaced: a
+        refused pin changes nothing)."""
+        auto_refs: dict[int, int] = {}
+        for pin_id in self._auto_ids:
+            for p in self._pin_records[pin_id].pages:
+                auto_refs[p] = auto_refs.get(p, 0) + 1
+        pins = self._pins
+        pinned = self._pinned_pages - sum(1 for p, n in auto_refs.items() if pins[p] == n)
+        new = sum(1 for p in pages if pins[p] == auto_refs.get(p, 0))
+        return pinned + new <= self.pin_quota
 
     def unpin(self, pin_id: str, now: float | None = None) -> None:
         record = self._pin_records.pop(pin_id, None)
         if record is None:
             raise UnknownPin(f"no pin {pin_id!r}", "pin_id")
+        self._auto_ids.pop(pin_id, None)
         now = self.clock() if now is None else now
         for page in reversed(record.pages):
             self._pins[page] -= 1
@@ -107,11 +135,7 @@ class Pinning:
         pages = seq.pages[: seq.published]
         if not pages or all(self._pins[p] for p in pages):
             return
-        try:
-            self._pin_pages(pages, self._windows.get(seq.meta.workload_class, self._windows[TO_C]), now)
-            self.autopins += 1
-        except QuotaExceeded:
-            self.autopins_refused += 1
+        self._pin_auto(pages, seq.meta, now)
 
     def _pin_hot_prefix(self, first_key: Hashable, hits: list[int], meta: WorkloadMeta, now: float) -> None:
         """A prefix admitted more than ``autoPin.minPrefixQPS`` times a second (by its first page) keeps
@@ -124,11 +148,20 @@ class Pinning:
             self._prune_prefix_rates_at = max(_MAX_TRACKED_PREFIXES, 2 * len(rates))
         if rate <= self._autopin.minPrefixQPS or not hits or all(self._pins[p] for p in hits):
             return
+        self._pin_auto(hits, meta, now)
+
+    def _pin_auto(self, pages: list[int], meta: WorkloadMeta, now: float) -> None:
+        """An auto-pin for the class's window; refused quietly (counted) when even every other auto-pin
+        lapsing would not make room."""
         try:
-            self._pin_pages(hits, self._windows.get(meta.workload_class, self._windows[TO_C]), now)
+            self._pin_pages(pages, self._windows.get(meta.workload_class, self._windows[TO_C]), now, auto=True)
             self.autopins += 1
         except QuotaExceeded:
             self.autopins_refused += 1
+
+    def expire_pins(self, now: float | None = None) -> None:
+        """Lapse the pins past their TTL now (they otherwise lapse at the next pool call that checks)."""
+        self._expire_pins(self.clock() if now is None else now)
 
     @property
     def pins(self) -> dict[str, Pin]:

@@ -33,6 +33,7 @@ class Pin:
     pin_id: str
     pages: tuple[int, ...]
     expires_at: float | None
+    auto: bool = False  # the pool's own (a long prompt, a hot prefix): yields to newer pins
 
 
 @dataclass(slots=True)

@@ -176,6 +176,12 @@ class _PoolCollector(Collector):
                 part.add_metric([name, kind], value)
         yield part
         yield GaugeMetricFamily("kvpool_pin_quota_pages", "Most pages that may be pinned", value=snap["pin_quota"])
+        autopins = CounterMetricFamily(
+            "kvpool_autopins", "Auto-pins (long prompts, hot prefixes) by result: pinned; displaced (the oldest "
+            "auto-pin lapsed to make room for a newer pin); refused (no room even so)", labels=["result"])
+        for result, n in snap["autopins"].items():
+            autopins.add_metric([result], n)
+        yield autopins
         yield GaugeMetricFamily(
             "kvpool_fragmentation_tokens", "Token slots allocated to live sequences but unused",
             value=snap["fragmentation"],

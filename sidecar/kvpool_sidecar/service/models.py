@@ -118,6 +118,17 @@ class PinResponse(_Wire):
     expires_at: float | None
 
 
+class PinInfo(_Wire):
+    pin_id: str
+    pages: int
+    expires_at: float | None
+    auto: bool  # the pool's own (a long prompt or a hot prefix); an admin may unpin it
+
+
+class PinList(_Wire):
+    pins: list[PinInfo]
+
+
 class ImportResponse(_Wire):
     pages: int  # pages in the payload
     imported_pages: int  # written here

@@ -91,6 +91,13 @@ def pin_routes(sidecar: Sidecar, auth: Callable[..., Any]) -> APIRouter:
         )
         return m.PinResponse(pin_id=record.pin_id, pages=list(record.pages), expires_at=record.expires_at)
 
+    @api.get("/v1/pins", response_model=m.PinList, dependencies=v1, tags=["pins"])
+    async def pins(who: Principal = Depends(auth)) -> m.PinList:
+        """The live pins this credential may remove: its own; an admin sees every pin, auto-pins included."""
+        records = await sidecar.run(sidecar.pins_of, who)
+        return m.PinList(pins=[m.PinInfo(pin_id=r.pin_id, pages=len(r.pages), expires_at=r.expires_at, auto=r.auto)
+                               for r in records])
+
     @api.delete("/v1/pins/{pin_id}", status_code=204, dependencies=v1, tags=["pins"])
     async def unpin(pin_id: str, who: Principal = Depends(auth)) -> Response:
         await sidecar.run(sidecar.unpin, pin_id, who)

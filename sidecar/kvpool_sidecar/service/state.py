@@ -176,6 +176,14 @@ class Sidecar(ConfigReloads):
             self._pin_owner = {pin_id: who for pin_id, who in self._pin_owner.items() if pin_id in live}
         return record
 
+    def pins_of(self, who: Principal) -> list[Any]:
+        """The live pins ``who`` may remove (an admin: all of them, auto-pins included)."""
+        self.pool.expire_pins()
+        records = self.pool.pins.values()
+        if who.role == "admin":
+            return list(records)
+        return [r for r in records if self._pin_owner.get(r.pin_id) == who.key]
+
     def unpin(self, pin_id: str, who: Principal) -> None:
         """Only the credential that pinned (or an admin) unpins; to the others the pin does not exist."""
         if who.role != "admin" and self._pin_owner.get(pin_id) != who.key:
@@ -342,6 +350,8 @@ class Sidecar(ConfigReloads):
                 for name, p in st.partitions.items()
             },
             "pin_quota": st.pin_quota_pages,
+            "autopins": {"pinned": self.pool.autopins, "displaced": self.pool.autopins_displaced,
+                         "refused": self.pool.autopins_refused},
             "fragmentation": st.fragmentation_tokens,
             "sequences": st.sequences,
             "fits": fits,
