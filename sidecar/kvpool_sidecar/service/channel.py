@@ -148,6 +148,7 @@ class EngineChannel:
                 await self._lapse(old[0], old[1])
                 old[1].close()
             self.sessions[msg.session] = (session, writer)
+            self.sidecar.engine_fed = True
             self.sidecar.metrics.engine_sessions.set(len(self.sessions))
         sc = self.sidecar
         handle = sc.storage.handle() if sc.storage is not None else None

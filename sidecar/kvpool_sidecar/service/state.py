@@ -106,6 +106,7 @@ class Sidecar(ConfigReloads):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-pool")
         self._lock = asyncio.Lock()
         self.last_activity = time.monotonic()
+        self.engine_fed = False  # an engine's connector has fed the pool (keys: its block hashes)
         self.pool.model.on_drift = self._on_drift
         self.pool.model.on_reuse = self._on_reuse
         self._set_config_metrics()
@@ -250,7 +251,14 @@ class Sidecar(ConfigReloads):
         signing = self._need_keys()
         keys, pages = self.pool.cached_prefix(tokens, block_hashes=block_hashes, num_tokens=num_tokens, meta=meta)
         if not pages:
-            raise transfer.TransferError("not_cached", "no leading page of this prompt is cached here", "tokens")
+            detail = "no leading page of this prompt is cached here"
+            if self.engine_fed:
+                # A vLLM-fed pool is keyed by the engine's block hashes under its model's namespace: a
+                # token prompt (the router's warm-ups) never matches them.
+                detail += (": this pool is fed by an engine's connector and keyed by the engine's block "
+                           "hashes, which a token prompt does not match (route vLLM pods on the engine's KV "
+                           "events instead: docs/routing.md)")
+            raise transfer.TransferError("not_cached", detail, "tokens")
         ps = self.pool.page_size
         n = len(pages)
         raw = transfer.kv_bytes(storage.gather_pages(pages, pin_host=True))  # serialised once: digest and body
