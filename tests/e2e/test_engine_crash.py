@@ -1,5 +1,7 @@
-"""An engine's life beside a live sidecar: vLLM's OpenAI server killed -9 with requests in flight leaks
-nothing, and a server restarted on other weights (same shape, same folder) never loads the old model's KV.
+"""An engine's life beside a live sidecar, under concurrent clients: the sidecar killed -9 and restarted
+mid-load fails no request and changes no token; vLLM's OpenAI server killed -9 with requests in flight
+(three times) leaks nothing; a server restarted on other weights (same shape, same folder) never loads
+the old model's KV.
 
 Real processes: ``kvpool-sidecar serve`` and ``python -m vllm.entrypoints.openai.api_server`` with the
 connector, clients over HTTP. Each server start costs about 25 s.
@@ -60,11 +62,13 @@ class Server:
             time.sleep(0.5)
         raise RuntimeError("the server did not start")
 
-    def complete(self, tokens: list[int], max_tokens: int = 8) -> list[int] | None:
+    def complete(self, tokens: list[int], max_tokens: int = 8, salt: str | None = None) -> list[int] | None:
+        body = {"model": self.model_name(), "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}
+        if salt is not None:
+            body["cache_salt"] = salt  # vLLM's own isolation: no cache of any tier matches
         try:
-            r = httpx.post(self.url + "/v1/completions", timeout=60, json={
-                "model": self.model_name(), "prompt": tokens, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True})
+            r = httpx.post(self.url + "/v1/completions", timeout=60, json=body)
         except httpx.HTTPError:
             return None
         return r.json()["choices"][0].get("token_ids") if r.status_code == 200 else None
@@ -106,6 +110,35 @@ def shared_prompts(n: int, seed: int) -> list[list[int]]:
     return [head + prompt(seed + 1 + i, 3 * BLOCK + 7) for i in range(n)]
 
 
+def load(server: Server, prompts: list[list[int]], clients: int = 8, salted: bool = False,
+         during: threading.Event | None = None) -> list[list[int] | None]:
+    """Every prompt completed by ``clients`` concurrent clients; outputs in prompt order (None: failed).
+    ``during`` is set once a third of them are done."""
+    out: list[list[int] | None] = [None] * len(prompts)
+    lock = threading.Lock()
+    todo = iter(range(len(prompts)))
+    done = [0]
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            out[i] = server.complete(prompts[i], salt=f"baseline-{i}" if salted else None)
+            with lock:
+                done[0] += 1
+                if during is not None and done[0] >= len(prompts) // 3:
+                    during.set()
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return out
+
+
 def crash_under_load(server: Server, sidecar: SidecarProcess) -> None:
     """Clients keep 8 requests in flight; the server is killed -9 while the pool holds their sequences."""
     stop = threading.Event()
@@ -135,34 +168,50 @@ def crash_under_load(server: Server, sidecar: SidecarProcess) -> None:
         t.join(70)
 
 
-def test_killed_engines_leak_nothing_and_other_weights_never_load_the_old_models_kv(tmp_path):
+def test_the_engine_survives_its_sidecar_and_its_own_crashes_and_never_loads_another_models_kv(tmp_path):
     sidecar = SidecarProcess(tmp_path, pages=600, config={"pageSize": BLOCK, "eviction": {"policy": "lru"}})
     sidecar.start()
     model = build_tiny_model(tmp_path / "model", seed=0)
+    prompts = [p for seed in range(6) for p in shared_prompts(8, 100 * seed)]
     try:
         server = Server(model, sidecar, tmp_path)
-        probe = shared_prompts(2, 7)
         try:
-            server.complete(probe[0])
-            assert server.complete(probe[1]) is not None
-            assert eventually(lambda: sidecar.metric(LOADED) >= 10 * BLOCK)  # the old model really uses the pool
+            baseline = load(server, prompts, salted=True)  # vLLM alone: no cache matches a salted prompt
+            assert all(baseline)
+            third = threading.Event()
+            result: list = []
+            runner = threading.Thread(target=lambda: result.append(load(server, prompts, during=third)))
+            runner.start()
+            assert third.wait(120)
+            sidecar.kill()  # mid-load, no clean-up
+            time.sleep(0.5)
+            sidecar.start()
+            runner.join(300)
+            assert result[0] == baseline  # no request failed, no token changed
+            loaded = sidecar.metric(LOADED)
+            assert load(server, prompts) == baseline
+            assert eventually(lambda: sidecar.metric(LOADED) > loaded)  # kvpool used again after the restart
         finally:
-            crash_under_load(server, sidecar)
+            crash_under_load(server, sidecar)  # kill 1
         assert sidecar.metric("kvpool_engine_lapsed_sequences_total") > 0
         # The same folder, new weights of the same shape (a model updated in place), the sidecar live.
         build_tiny_model(tmp_path / "model-new", seed=1)
         for f in (tmp_path / "model-new").glob("*.safetensors"):
             os.replace(f, model / f.name)
+        probe = prompts[:2]
         server = Server(model, sidecar, tmp_path)
         try:
             before = sidecar.metric(LOADED)
             first = server.complete(probe[1])
             time.sleep(2.5)  # the connector reports at least once a second
             assert sidecar.metric(LOADED) == before  # nothing of the old model's KV was loaded
+            assert first != baseline[1]  # other weights, other tokens
             server.complete(probe[0])  # its own KV now: the new model hits its own pages
             assert server.complete(probe[1]) == first
             assert eventually(lambda: sidecar.metric(LOADED) > before)
         finally:
-            crash_under_load(server, sidecar)
+            crash_under_load(server, sidecar)  # kill 2
+        server = Server(model, sidecar, tmp_path)
+        crash_under_load(server, sidecar)  # kill 3
     finally:
         sidecar.stop()
