@@ -172,7 +172,7 @@ def test_the_engine_survives_its_sidecar_and_its_own_crashes_and_never_loads_ano
     sidecar = SidecarProcess(tmp_path, pages=600, config={"pageSize": BLOCK, "eviction": {"policy": "lru"}})
     sidecar.start()
     model = build_tiny_model(tmp_path / "model", seed=0)
-    prompts = [p for seed in range(6) for p in shared_prompts(8, 100 * seed)]
+    prompts = [p for seed in range(4) for p in shared_prompts(6, 100 * seed)]
     try:
         server = Server(model, sidecar, tmp_path)
         try:
