@@ -173,6 +173,9 @@ def test_the_engine_is_wired_to_its_sidecar():
         assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
         run = next(m for m in container["volumeMounts"] if m["mountPath"] == str(Path(settings.socket).parent))
         assert "emptyDir" in volumes[run["name"]]  # both containers see the engine channel's socket
+        # One non-root user for both: the segment (0600) and the socket (0660) are theirs, no root needed.
+        effective = pod["securityContext"] | container.get("securityContext", {})
+        assert effective["runAsNonRoot"] and effective["runAsUser"] == pod["securityContext"]["runAsUser"] != 0
     page_bytes = shape.bytes_per_page(docs["KVCachePolicy"]["spec"]["pageSize"])
     limit = volumes[shm["name"]]["emptyDir"]["sizeLimit"]
     assert served.pages * page_bytes <= int(limit.removesuffix("Gi")) * 2**30  # the pool fits its volume
