@@ -30,10 +30,6 @@ from kvpool_sidecar import wire
 
 log = logging.getLogger("kvpool.engine")
 REPORT_EVERY = 1.0  # seconds idle after which a pending report is sent on its own
-# Commits and releases wait this long for company unless a lookup is queued (a lookup goes at once and
-# takes them along): under load many requests' commits share one message, and each message costs the
-# sidecar more than its ops do. Only how soon other requests see a page depends on it.
-LINGER = 0.005
 
 
 class SidecarDown(ConnectionError):
@@ -243,21 +239,15 @@ class SidecarLink:
                 return
             batch = [item]
             stop = False
-            urgent = item[0] == "admit"
-            deadline = time.monotonic() + LINGER
             while len(batch) < wire.MAX_OPS:
                 try:
-                    if urgent:
-                        nxt = self._queue.get_nowait()
-                    else:
-                        nxt = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    nxt = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if nxt is None:
                     stop = True
                     break
                 batch.append(nxt)
-                urgent = urgent or nxt[0] == "admit"
             self._send(batch)
             if stop:
                 return
