@@ -178,6 +178,27 @@ def test_g_a_hung_sidecar_costs_no_stall_and_leaks_nothing_once_it_resumes(stack
         time.sleep(0.3)
 
 
+def test_h_an_aborted_request_keeps_the_saves_it_completed(stack):
+    """Aborted mid-decode: its prompt's saves were planned, so it finishes through finished_sending and is
+    released only after they were committed; the next request with its prefix loads them."""
+    from vllm import SamplingParams
+
+    llm, sidecar = stack
+    first, second = pair(800)
+    baseline, _ = generate(llm, second, fresh=True)
+    engine = llm.llm_engine
+    rid = engine.add_request("abort-me", {"prompt_token_ids": first},
+                             SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    deadline = time.monotonic() + 60
+    while not any(o.outputs and o.outputs[0].token_ids for o in engine.step()):
+        assert time.monotonic() < deadline
+    engine.abort_request([rid])
+    while engine.has_unfinished_requests():
+        engine.step()
+    tokens, from_pool = generate(llm, second)
+    assert from_pool >= PREFIX_BLOCKS * BLOCK and tokens == baseline
+
+
 def test_connector_state_is_released_with_the_requests(stack):
     _, sidecar = stack
     time.sleep(0.3)  # the last release travels asynchronously
