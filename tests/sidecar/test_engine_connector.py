@@ -432,29 +432,3 @@ def test_token_keyed_exports_from_an_engine_fed_pool_say_why_they_find_nothing()
             client.export_pages(list(range(8)))
         assert after.value.status == 404 and "keyed by the engine's block hashes" in after.value.detail
         link.close()
-
-
-def test_requests_are_looked_up_on_arrival_so_the_scheduler_finds_the_answer_waiting():
-    from kvpool_sidecar.engines import scheduler as sched
-
-    path, live = sidecar_with_channel(pages=256)
-    with live as (_, sidecar):
-        link = SidecarLink(path, hello())
-        side = SchedulerSide(link, PS, session="s", lookup_wait=0.0)  # no waiting at all when asked
-        for i in range(10):
-            side.arrived(f"r{i}", hashes(3, f"p{i}"), 13, None)
-        settle(link, sidecar, lambda sc: sc.pool.stats().sequences == 10)
-        assert link.round_trips < 10  # arrivals queued together share messages
-        assert [side.matched_tokens(f"r{i}", hashes(3, f"p{i}"), 13, 0, None) for i in range(10)] == [0] * 10
-        assert all(side._requests[f"r{i}"].epoch is not None for i in range(10))  # answered, not given up
-        for i in range(10):
-            side.finished(f"r{i}")
-        settle(link, sidecar)
-        # Bounded: past MAX_PREFETCHED unasked admissions, a request is admitted when first asked about.
-        for i in range(sched.MAX_PREFETCHED + 5):
-            side.arrived(f"q{i}", hashes(2, f"q{i}"), 9, None)
-        settle(link, sidecar, lambda sc: sc.pool.stats().sequences == sched.MAX_PREFETCHED)
-        for i in range(sched.MAX_PREFETCHED + 5):
-            side.finished(f"q{i}")
-        settle(link, sidecar)
-        link.close()

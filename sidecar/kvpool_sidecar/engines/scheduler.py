@@ -39,9 +39,6 @@ from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLi
 
 log = logging.getLogger("kvpool.engine")
 META_FIELDS = ("tenant", "workload_class", "request_type", "turn", "user")
-# Requests admitted on arrival, before the scheduler asks about them: their lookups overlap the queue wait
-# and share messages. Bounded, because an admission holds its pages while the request waits.
-MAX_PREFETCHED = 64
 MAX_PENDING_STEPS = 1024  # steps whose worker report is awaited (an engine has a handful in flight)
 
 
@@ -102,7 +99,7 @@ class _Request:
     seq_id: str
     prompt_len: int
     num_pages: int  # full prompt pages admitted
-    asked_at: float | None = None  # the scheduler's first ask (its lookup budget starts then)
+    asked_at: float = 0.0
     future: Future | None = None
     page_ids: list[int] = field(default_factory=list)
     epoch: int | None = None
@@ -135,7 +132,6 @@ class SchedulerSide:
         self._finishing: dict[str, _Request | None] = {}  # finished, waiting for finished_sending
         self._wait_until: float | None = None  # the step's waiting budget: lookup_wait in all, not per request
         self._next_id = 0
-        self._prefetched = 0  # admitted on arrival, not yet asked about
         self._prefix = session
         self._step = 0
         # step -> [(req_id, request, pages saved up to)] awaiting the worker's report
@@ -156,11 +152,7 @@ class SchedulerSide:
             req = None
         if req is None:
             req = self._admit(req_id, block_hashes, prompt_len, params)
-        elif req.asked_at is None:
-            self._prefetched -= 1
         req.local_tokens = local_tokens
-        if req.asked_at is None:
-            req.asked_at = self.clock()
         if req.future is not None:
             now = self.clock()
             if self._wait_until is None:
@@ -196,17 +188,10 @@ class SchedulerSide:
             return 0
         return loadable_tokens(req.pool_pages, local_tokens, prompt_len, self.block_size)
 
-    def arrived(self, req_id: str, block_hashes: list[bytes], prompt_len: int, params: dict[str, Any] | None) -> None:
-        """A new request: admit it now (its answer is likely there when the scheduler asks), unless too
-        many admitted requests are still waiting to be asked about."""
-        if req_id not in self._requests and self._prefetched < MAX_PREFETCHED:
-            self._admit(req_id, block_hashes, prompt_len, params)
-            self._prefetched += 1
-
     def _admit(self, req_id: str, block_hashes: list[bytes], prompt_len: int,
                params: dict[str, Any] | None) -> _Request:
         self._next_id += 1
-        req = _Request(f"{self._prefix}-{self._next_id}", prompt_len, len(block_hashes))
+        req = _Request(f"{self._prefix}-{self._next_id}", prompt_len, len(block_hashes), asked_at=self.clock())
         self._requests[req_id] = req
         if block_hashes and self.link.available():
             meta = self.meta_of(params)
@@ -313,8 +298,6 @@ class SchedulerSide:
         """The engine is done with the request. True: it had saves, so it finishes through the worker's
         ``finished_sending`` (and is released then, after its commits); False: released now."""
         req = self._requests.pop(req_id, None)
-        if req is not None and req.asked_at is None:
-            self._prefetched -= 1
         if req_id in self._saved:
             self._saved.discard(req_id)
             self._finishing[req_id] = req

@@ -99,14 +99,11 @@ class KVPoolConnector(KVConnectorBase_V1):
             )
 
     # ================================================================== scheduler side
-    def on_new_request(self, request: Request) -> None:
-        assert self._scheduler is not None
-        self._scheduler.arrived(request.request_id, _hashes(request), request.num_tokens, request.kv_transfer_params)
-
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
-        tokens = self._scheduler.matched_tokens(request.request_id, _hashes(request), request.num_tokens,
-                                                num_computed_tokens, request.kv_transfer_params)
+        hashes = [h if isinstance(h, bytes) else str(h).encode() for h in request.block_hashes]
+        tokens = self._scheduler.matched_tokens(request.request_id, hashes, request.num_tokens, num_computed_tokens,
+                                                request.kv_transfer_params)
         return tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -187,7 +184,3 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.link.close()
-
-
-def _hashes(request: Request) -> list[bytes]:
-    return [h if isinstance(h, bytes) else str(h).encode() for h in request.block_hashes]
