@@ -70,3 +70,60 @@ def test_prometheus_scrapes_the_hit_counters(tmp_path):
         finally:
             prom.terminate()
             prom.wait(timeout=30)
+
+
+def test_scrapes_on_the_metrics_port_see_a_consistent_pool_while_clients_mutate_it():
+    """--metrics-port is served by prometheus_client's own thread; heavy admissions run on the pool's
+    worker thread: a scrape reads the pool under its mutex, so its page states always add up."""
+    import threading
+    import time
+
+    import httpx
+    from kvpool_sidecar.client import SidecarClient
+    from kvpool_sidecar.config import SidecarConfig
+    from prometheus_client import start_http_server
+    from support import free_port, live_sidecar
+
+    pages = 6000
+    config = SidecarConfig.model_validate({"pageSize": 4, "eviction": {"policy": "lru"},
+                                           "workloads": {"toB": {"isolationPercent": 0}},
+                                           "pinning": {"autoPin": {"enabled": False}}})
+    with live_sidecar(config, pages=pages) as (url, sidecar):
+        port = free_port()
+        server, _ = start_http_server(port, "127.0.0.1", registry=sidecar.metrics.registry)
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def client(i: int) -> None:
+            try:
+                with SidecarClient(url) as c:
+                    k = 0
+                    while not stop.is_set():
+                        n = 2100 * 4 if i < 2 and k % 3 == 0 else 40  # two clients send heavy admissions
+                        seq = f"c{i}-{k}"
+                        c.admit(seq, [i * 1_000_000 + k * 10_000 + j for j in range(n)])
+                        c.commit(seq, n)
+                        c.release(seq)
+                        k += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        scrapes = 0
+        try:
+            deadline = time.monotonic() + 4
+            while time.monotonic() < deadline:
+                r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+                assert r.status_code == 200
+                states = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in r.text.splitlines()
+                          if line.startswith("kvpool_pages{")}
+                assert states["free"] + states["in_use"] + states["cached"] == pages, states
+                scrapes += 1
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+            server.shutdown()
+        assert scrapes > 10 and not errors

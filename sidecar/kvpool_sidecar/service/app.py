@@ -98,7 +98,9 @@ def create_app(
 
         @app.get("/metrics", tags=["status"], include_in_schema=False)
         async def metrics() -> Response:
-            return Response(generate_latest(sidecar.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            # Off the loop: the snapshot waits for the pool's mutex, which a heavy call may hold a while.
+            body = await asyncio.to_thread(generate_latest, sidecar.metrics.registry)
+            return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
 

@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import logging
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -105,6 +106,9 @@ class Sidecar(ConfigReloads):
         self.backend: dict[str, Any] = storage.describe() if storage else {"storage": "none", "kernels": "none"}
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-pool")
         self._lock = asyncio.Lock()
+        # Held by every pool call (on the loop or the worker thread) and by the metrics snapshot, which
+        # prometheus_client's own thread may take (--metrics-port): a scrape never reads a pool mid-change.
+        self._mutex = threading.RLock()
         self.last_activity = time.monotonic()
         self.engine_fed = False  # an engine's connector has fed the pool (keys: its block hashes)
         self.pool.model.on_drift = self._on_drift
@@ -121,9 +125,14 @@ class Sidecar(ConfigReloads):
         """Run a pool call under the lock: inline, or on the worker thread when ``heavy``."""
         async with self._lock:
             if not heavy:
-                return fn(*args, **kwargs)
+                with self._mutex:
+                    return fn(*args, **kwargs)
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, partial(fn, *args, **kwargs))
+            return await loop.run_in_executor(self._executor, partial(self._locked, fn, *args, **kwargs))
+
+    def _locked(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        with self._mutex:
+            return fn(*args, **kwargs)
 
     def is_heavy(self, tokens: list | None, block_hashes: list | None, num_tokens: int | None) -> bool:
         """Whether an admission may evict enough pages to be worth a thread hop."""
@@ -345,6 +354,11 @@ class Sidecar(ConfigReloads):
 
     # ------------------------------------------------------------------------------ reading
     def snapshot(self) -> dict[str, Any]:
+        """The pool's gauges for a scrape, read under the pool's mutex (from any thread)."""
+        with self._mutex:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
         st = self.pool.stats()
         fits = {}
         for klass, (rate, p, _) in self.pool.model.classes().items():
