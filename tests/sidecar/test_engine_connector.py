@@ -20,7 +20,7 @@ from kvpool_sidecar.engines.scheduler import LoadJob, SchedulerSide, StepDone, S
 from kvpool_sidecar.engines.settings import ConnectorConfigError, parse_settings
 from kvpool_sidecar.engines.worker import WorkerSide
 from kvpool_sidecar.storage import KVStorage, ModelShape
-from support import live_sidecar, socket_path
+from support import free_port, live_sidecar, socket_path
 
 PS = 4
 SHAPE = ModelShape(layers=2, kv_heads=1, head_dim=8, dtype="float32")
@@ -432,3 +432,22 @@ def test_token_keyed_exports_from_an_engine_fed_pool_say_why_they_find_nothing()
             client.export_pages(list(range(8)))
         assert after.value.status == 404 and "keyed by the engine's block hashes" in after.value.detail
         link.close()
+
+
+def test_a_second_sidecar_refuses_a_live_engine_socket_and_takes_over_a_stale_one(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = socket_path()
+    with live_sidecar(CONFIG, pages=8, engine_socket=path):
+        serve = [str(Path(sys.executable).with_name("kvpool-sidecar")), "serve", "--port", str(free_port()),
+                 "--pages", "8", "--engine-socket", path]
+        out = subprocess.run(serve, capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "--engine-socket" in out.stderr and "another process serves it" in out.stderr
+        assert fetch_welcome(path, hello(), 2).page_size == PS  # the first sidecar still serves it
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)  # a killed sidecar's socket file: nobody listens
+    stale.close()
+    with live_sidecar(CONFIG, pages=8, engine_socket=path):
+        assert fetch_welcome(path, hello(), 2).page_size == PS

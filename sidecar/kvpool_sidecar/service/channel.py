@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import socket
 import stat
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,9 @@ class EngineChannel:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(self.path.lstat().st_mode):
+                if socket_in_use(self.path):
+                    raise OSError(f"--engine-socket {self.path}: another process serves it (a second sidecar "
+                                  "needs its own socket path)")
                 self.path.unlink()  # a predecessor's socket (a killed sidecar leaves it behind)
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path), limit=wire.MAX_FRAME)
         # Owner and group only: the engine's container shares the sidecar's group (fsGroup) in a pod.
@@ -256,6 +260,17 @@ def _op(fn: Any) -> Any:
         return wire.Failed(error_name(exc), str(exc), exc.field)
     except ApiError as exc:
         return wire.Failed(exc.error, exc.detail, exc.field)
+
+
+def socket_in_use(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket at ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 async def _read(reader: asyncio.StreamReader) -> wire.Message | None:

@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 
 from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.service.app import DEFAULT_MAX_BODY_BYTES, create_app
+from kvpool_sidecar.service.channel import socket_in_use
 from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.service.membership import (
     KubernetesMembership,
@@ -113,6 +114,9 @@ def parse_shape(text: str) -> ModelShape:
 def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
     if options.pages < 1:
         raise ServeError("--pages must be at least 1")
+    if options.engine_socket and socket_in_use(Path(options.engine_socket)):
+        raise ServeError(f"--engine-socket {options.engine_socket}: another process serves it (a second sidecar "
+                         "on this host needs its own path)")
     token = read_credentials(options)
     config = load_config(options.config) if options.config else SidecarConfig()
     keys = None
