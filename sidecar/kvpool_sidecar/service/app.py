@@ -97,8 +97,7 @@ def create_app(
     if serve_metrics:
 
         @app.get("/metrics", tags=["status"], include_in_schema=False)
-        async def metrics() -> Response:
-            # Off the loop: the snapshot waits for the pool's mutex, which a heavy call may hold a while.
+        async def metrics() -> Response:  # off the loop: the snapshot waits for the pool's mutex
             body = await asyncio.to_thread(generate_latest, sidecar.metrics.registry)
             return Response(body, media_type=CONTENT_TYPE_LATEST)
 
