@@ -35,7 +35,7 @@ class WireError(ValueError):
     """A frame or message that breaks the protocol (the message names the field and the rule)."""
 
 
-class Meta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+class Meta(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=True):
     workload_class: str = "toC"
     request_type: str = "text"
     turn: int = 0

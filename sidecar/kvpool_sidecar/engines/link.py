@@ -97,8 +97,8 @@ class Report:
         self.failures = {}
         return out
 
-    def merge(self, sent: wire.Report) -> None:
-        """Put back a report whose round trip failed (it is sent with the next one)."""
+    def merge(self, sent: Report | wire.Report) -> None:
+        """Add another report: one whose round trip failed (sent with the next one), or a worker's."""
         self.loaded_tokens += sent.loaded_tokens
         self.saved_tokens += sent.saved_tokens
         self.lookup_seconds = (sent.lookup_seconds + self.lookup_seconds)[-4096:]
@@ -326,5 +326,5 @@ class SidecarLink:
                 self.report.merge(report)
         error = exc if isinstance(exc, SidecarDown) else SidecarDown(str(exc))
         for _, _, f in batch:
-            if f is not None:
+            if f is not None and not f.done():  # an op of an older connection was answered already
                 f.set_exception(error)

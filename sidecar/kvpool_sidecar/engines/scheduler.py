@@ -80,11 +80,7 @@ class StepDone:
         for step, n in other.steps.items():
             self.steps[step] = self.steps.get(step, 0) + n
         self.failed_saves |= other.failed_saves
-        r, o = self.report, other.report
-        r.loaded_tokens += o.loaded_tokens
-        r.saved_tokens += o.saved_tokens
-        for op, n in o.failures.items():
-            r.fail(op, n)
+        self.report.merge(other.report)
         return self
 
 
@@ -280,7 +276,7 @@ class SchedulerSide:
         self._failed |= done.failed_saves
         r = done.report
         if not r.empty():
-            self.link.record(lambda rep: _merge(rep, r))
+            self.link.record(lambda rep: rep.merge(r))
         while self._order and self._done.get(self._order[0], 0) >= self.world_size:
             step = self._order.popleft()
             self._done.pop(step, None)
@@ -325,13 +321,3 @@ class SchedulerSide:
         elif req.epoch is not None:
             self.link.release(req.seq_id, req.generation)
         req.epoch = None
-
-    def tracked(self) -> int:
-        return len(self._requests) + len(self._finishing)
-
-
-def _merge(into: Report, r: Report) -> None:
-    into.loaded_tokens += r.loaded_tokens
-    into.saved_tokens += r.saved_tokens
-    for op, n in r.failures.items():
-        into.fail(op, n)

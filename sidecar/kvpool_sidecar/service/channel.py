@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -27,11 +28,14 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvpool_sidecar import wire
-from kvpool_sidecar.keys import DEFAULT_META, TO_B, TO_C, WorkloadMeta
+from kvpool_sidecar.keys import DEFAULT_META, WorkloadMeta
 from kvpool_sidecar.pool import PoolError, UnknownSequence
+from kvpool_sidecar.service import models
 from kvpool_sidecar.service.credentials import ADMIN, Credentials, Principal
-from kvpool_sidecar.service.http import ApiError, error_name
+from kvpool_sidecar.service.http import ApiError, error_name, workload_meta
 from kvpool_sidecar.service.state import HEAVY_PAGES, Sidecar
 
 log = logging.getLogger("kvpool.sidecar")
@@ -52,10 +56,9 @@ def namespaced(ns: bytes, hashes: list[bytes]) -> list[bytes]:
 class Session:
     """One connection's engine: its principal, model namespace and the sequences it holds."""
 
-    def __init__(self, session_id: str, who: Principal, model: str, role: str) -> None:
+    def __init__(self, session_id: str, who: Principal, model: str) -> None:
         self.id = session_id
         self.who = who
-        self.role = role
         self.ns = namespace(model)
         self.live: set[str] = set()
 
@@ -125,7 +128,7 @@ class EngineChannel:
             session = None
         finally:
             if session is not None:
-                await self._lapse(session, writer)
+                await self._lapse(session)
             writer.close()
 
     async def _greet(self, msg: wire.Message, writer: asyncio.StreamWriter) -> Session | None:
@@ -144,12 +147,12 @@ class EngineChannel:
         if who is None:
             refuse("unauthorized", "a valid engine or admin token is required", "token")
             return None
-        session = Session(msg.session, who, msg.model, msg.role)
+        session = Session(msg.session, who, msg.model)
         if msg.role == "scheduler":
             old = self.sessions.get(msg.session)
             if old is not None:
                 log.warning("engine session %s connected again: releasing what its old connection held", msg.session)
-                await self._lapse(old[0], old[1])
+                await self._lapse(old[0])
                 old[1].close()
             self.sessions[msg.session] = (session, writer)
             self.sidecar.engine_fed = True
@@ -168,7 +171,7 @@ class EngineChannel:
             return None
         return who
 
-    async def _lapse(self, session: Session, writer: asyncio.StreamWriter) -> None:
+    async def _lapse(self, session: Session) -> None:
         """Release what a session still holds (its connection is gone or replaced)."""
         current = self.sessions.get(session.id)
         if current is not None and current[0] is session:
@@ -193,11 +196,8 @@ class EngineChannel:
     # -------------------------------------------------------------------------------- a step
     async def _step(self, session: Session, msg: wire.Step) -> wire.StepReply:
         sc = self.sidecar
-        if msg.report is not None:
-            r = msg.report
-            failures = {k: v for k, v in r.failures.items() if k in ("lookup", "load", "save") and 0 <= v < 2**40}
-            sc.metrics.observe_engine_report(max(0, r.loaded_tokens), max(0, r.saved_tokens),
-                                             [s for s in r.lookup_seconds[-4096:] if 0 <= s <= 3600], failures)
+        if msg.report is not None and (r := _report(msg.report)) is not None:
+            sc.metrics.observe_engine_report(r.loaded_tokens, r.saved_tokens, r.lookup_seconds, r.failures)
         if not (msg.admits or msg.commits or msg.releases):
             return wire.StepReply([], [], [])
         heavy = sum(len(a.hashes) for a in msg.admits) >= HEAVY_PAGES
@@ -241,16 +241,28 @@ class EngineChannel:
         return wire.Admitted(result.page_ids, result.num_cached_tokens, sc.storage_epoch)
 
 
+@functools.lru_cache(maxsize=1024)
 def _meta(m: wire.Meta) -> WorkloadMeta:
-    """A request's metadata checked by the HTTP API's rules (the same bounds), without a model per call."""
-    if m.workload_class not in (TO_C, TO_B):
-        raise ApiError(400, "invalid_request", "must be toC or toB", "meta.workload_class")
-    for name, lo, hi in (("request_type", 1, 64), ("tenant", 1, 256), ("user", 0, 256)):
-        if not lo <= len(getattr(m, name)) <= hi:
-            raise ApiError(400, "invalid_request", f"length must be {lo}-{hi}", f"meta.{name}")
-    if not 0 <= m.turn <= 100_000:
-        raise ApiError(400, "invalid_request", "must be 0-100000", "meta.turn")
-    return WorkloadMeta(m.workload_class, m.request_type, m.turn, m.tenant, m.user)
+    """A request's metadata checked by the HTTP API's own model (one owner of its rules); an engine sends
+    few distinct ones, so each is validated once."""
+    try:
+        meta = models.Meta(workload_class=m.workload_class, request_type=m.request_type, turn=m.turn,
+                           tenant=m.tenant, user=m.user)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = "meta." + ".".join(str(p) for p in first["loc"])
+        raise ApiError(400, "invalid_request", first["msg"], field) from None
+    return workload_meta(meta)
+
+
+def _report(r: wire.Report) -> models.EngineReport | None:
+    """A connector's report checked by the HTTP API's model; a bad one is dropped (its ops still apply)."""
+    try:
+        return models.EngineReport(loaded_tokens=r.loaded_tokens, saved_tokens=r.saved_tokens,
+                                   lookup_seconds=r.lookup_seconds, failures=r.failures)
+    except ValidationError as exc:
+        log.warning("engine channel: dropping an invalid connector report: %s", exc.errors()[0]["msg"])
+        return None
 
 
 def _op(fn: Any) -> Any:
