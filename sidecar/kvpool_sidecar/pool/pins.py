@@ -36,6 +36,8 @@ class Pinning:
         self.autopins_refused = 0
         self.autopins_displaced = 0
         self._auto_ids: dict[str, None] = {}  # live auto-pins, oldest first
+        self._auto_refs = [0] * n  # per page, how many of its pins are auto-pins
+        self._auto_only = 0  # pinned pages every pin of which is an auto-pin
         # First-page key -> recent admissions: a prefix above autoPin.minPrefixQPS keeps its shared
         # pages pinned (the page-length rule's sibling).
         self._prefix_rate = DecayedCounter(PREFIX_RATE_WINDOW)
@@ -82,12 +84,16 @@ class Pinning:
                 f"({self._pinned_pages} of {self.pin_quota} pages pinned)",
                 "pinning.quotaPercent",
             )
+        pins, auto_refs = self._pins, self._auto_refs
         for page in pages:
-            if self._pins[page] == 0:
+            if pins[page] == 0:
                 self._pinned_pages += 1
                 if self._ref[page] == 0:
                     self._policies[self._part[page]].take(page, now, False)
-            self._pins[page] += 1
+            was_auto_only = pins[page] > 0 and pins[page] == auto_refs[page]
+            pins[page] += 1
+            auto_refs[page] += auto
+            self._auto_only += (pins[page] == auto_refs[page]) - was_auto_only
         pin_id = f"pin-{secrets.token_hex(12)}"  # unguessable: a pin id is what lets its holder unpin
         expires = None if ttl is None else now + ttl
         record = Pin(pin_id, tuple(pages), expires, auto)
@@ -101,14 +107,9 @@ class Pinning:
     def _fits_without_auto(self, pages: list[int]) -> bool:
         """Whether ``pages`` would fit the quota once every auto-pin lapsed (else none is displaced: a
         refused pin changes nothing)."""
-        auto_refs: dict[int, int] = {}
-        for pin_id in self._auto_ids:
-            for p in self._pin_records[pin_id].pages:
-                auto_refs[p] = auto_refs.get(p, 0) + 1
-        pins = self._pins
-        pinned = self._pinned_pages - sum(1 for p, n in auto_refs.items() if pins[p] == n)
-        new = sum(1 for p in pages if pins[p] == auto_refs.get(p, 0))
-        return pinned + new <= self.pin_quota
+        pins, auto_refs = self._pins, self._auto_refs
+        new = sum(1 for p in pages if pins[p] == auto_refs[p])
+        return self._pinned_pages - self._auto_only + new <= self.pin_quota
 
     def unpin(self, pin_id: str, now: float | None = None) -> None:
         record = self._pin_records.pop(pin_id, None)
@@ -116,9 +117,13 @@ class Pinning:
             raise UnknownPin(f"no pin {pin_id!r}", "pin_id")
         self._auto_ids.pop(pin_id, None)
         now = self.clock() if now is None else now
+        pins, auto_refs = self._pins, self._auto_refs
         for page in reversed(record.pages):
-            self._pins[page] -= 1
-            if self._pins[page] == 0:
+            was_auto_only = pins[page] == auto_refs[page]
+            pins[page] -= 1
+            auto_refs[page] -= record.auto
+            self._auto_only += (pins[page] > 0 and pins[page] == auto_refs[page]) - was_auto_only
+            if pins[page] == 0:
                 self._pinned_pages -= 1
                 if self._ref[page] == 0:
                     depth = self._depth(page)
@@ -192,6 +197,12 @@ class Pinning:
             for p in record.pages:
                 pin_counts[p] += 1
         assert pin_counts == self._pins, "I6: pin counts differ from the pin records"
+        auto_counts = [0] * self.total_pages
+        for record in self._pin_records.values():
+            for p in record.pages:
+                auto_counts[p] += record.auto
+        assert auto_counts == self._auto_refs, "I6: auto-pin counts differ from the pin records"
+        assert self._auto_only == sum(1 for p, c in enumerate(pin_counts) if c and c == auto_counts[p])
         pinned = sum(1 for c in pin_counts if c)
         assert pinned == self._pinned_pages, "I6: pinned page count drifted"
         assert pinned <= self.pin_quota, f"I6: {pinned} pages pinned above the quota of {self.pin_quota}"
