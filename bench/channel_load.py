@@ -24,14 +24,10 @@ from pathlib import Path
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.link import Connection
+from serve import cpu_seconds  # bench/serve.py: the same measure of the sidecar's CPU
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
 PAGE = 512  # the trace's block size
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:

@@ -67,6 +67,17 @@ def done(*steps: int, failed: set[tuple[int, str]] | None = None) -> StepDone:
     return StepDone({s: 1 for s in steps}, failed or set())
 
 
+def save_whole(side: SchedulerSide, req_id: str, hs: list[bytes], prompt_len: int, blocks: list[int],
+               params: dict | None = None) -> None:
+    """A request computes its whole prompt in one step, the worker reports it, and it finishes."""
+    wait_for(side, req_id, hs, prompt_len, 0, params)
+    side.allocated(req_id, blocks, 0)
+    plan = side.plan([(req_id, blocks, True, 0, prompt_len)])
+    side.worker_done(done(plan.step))
+    side.finished(req_id)
+    side.sent({req_id})
+
+
 def sidecar_with_channel(pages: int = 64, **kw):
     path = socket_path()
     return path, live_sidecar(CONFIG, pages=pages, storage=KVStorage(SHAPE, PS, pages=pages, shared=True),
@@ -178,12 +189,7 @@ def test_keys_are_namespaced_by_the_model():
     path, live = sidecar_with_channel()
     with live as (_, sidecar):
         a = SchedulerSide(SidecarLink(path, hello(model="llama@1")), PS, session="a", lookup_wait=0.5)
-        wait_for(a, "r", hashes(3), 13, 0, None)
-        a.allocated("r", [1, 2, 3, 4], 0)
-        plan = a.plan([("r", [1, 2, 3, 4], True, 0, 13)])
-        a.worker_done(done(plan.step))
-        a.finished("r")
-        a.sent({"r"})
+        save_whole(a, "r", hashes(3), 13, [1, 2, 3, 4])
         settle(a.link, sidecar)
         assert wait_for(a, "same", hashes(3), 13, 0, None) == 3 * PS
         b = SchedulerSide(SidecarLink(path, hello(model="llama@2", session="b")), PS, session="b", lookup_wait=0.5)
@@ -197,12 +203,7 @@ def test_request_params_choose_nothing_unless_the_deployment_trusts_them():
     with live as (_, sidecar):
         link = SidecarLink(path, hello())
         side = SchedulerSide(link, PS, session="s", lookup_wait=0.5, default_meta={"tenant": "acme"})
-        wait_for(side, "victim", hashes(3), 13, 0, None)
-        side.allocated("victim", [1, 2, 3, 4], 0)
-        plan = side.plan([("victim", [1, 2, 3, 4], True, 0, 13)])
-        side.worker_done(done(plan.step))
-        side.finished("victim")
-        side.sent({"victim"})
+        save_whole(side, "victim", hashes(3), 13, [1, 2, 3, 4])
         # A client naming another tenant and the to-B class: the configured defaults apply.
         assert side.meta_of({"tenant": "alice", "workload_class": "toB"}) == {"tenant": "acme"}
         assert wait_for(side, "attacker", hashes(3), 13, 0, {"tenant": "alice", "workload_class": "toB"}) == 3 * PS
