@@ -7,7 +7,8 @@
 A cell is (trace, policy, capacity): token and block hit ratio and evictions, from
 `kvpool-sidecar replay`, the CLI being the interface both commits share. The traces are every shipped
 trace and every `synth` profile (seed 1); the policies every pool policy; capacities 1 / 2 / 5 / 20 %.
-Each commit is checked out into a temporary git worktree and run with its own package first on the
+Replays run the reference setup (``--setup``: auto-pins off, one partition for one class), the one
+every commit shares. Each commit is checked out into a temporary git worktree and run with its own package first on the
 path. Prints the cells that differ and exits 1 if any does.
 """
 
@@ -29,7 +30,7 @@ TRACES = ROOT.parent / "shared" / "traces"
 POLICIES = ("lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact")
 CAPACITIES = ("0.01", "0.02", "0.05", "0.2")
 PROFILES = ("to-c", "to-b", "mixed")
-FIELDS = ("token_hit_ratio", "block_hit_ratio", "evictions")
+FIELDS = ("token_hit_ratio", "block_hit_ratio", "evictions", "per_class")
 
 
 def traces(workdir: Path, source: Path) -> list[Path]:
@@ -52,9 +53,14 @@ def cli(source: Path, args: list[str]) -> str:
     return done.stdout
 
 
-def cells(source: Path, workdir: Path) -> dict[str, dict[str, float]]:
+def cells(source: Path, workdir: Path, setup: str = "reference") -> dict[str, dict[str, float]]:
+    """``setup`` goes to commits whose replay has ``--setup`` (older ones always ran the reference one)."""
+    has_setup = "--setup" in cli(source, ["replay", "--help"])
+
     def one(trace: Path) -> list[dict]:
         args = ["replay", str(trace), "--format", "json", "--no-progress"]
+        if has_setup:
+            args += ["--setup", setup]
         for policy in POLICIES:
             args += ["--policy", policy]
         for capacity in CAPACITIES:
@@ -73,22 +79,24 @@ def main() -> int:
     parser.add_argument("commits", nargs="*", help="BEFORE AFTER (commits; 'worktree' for this checkout)")
     parser.add_argument("--out", help="write this checkout's cells as JSON here")
     parser.add_argument("--against", help="compare this checkout's cells with ones saved by --out")
+    parser.add_argument("--setup", choices=("reference", "shipped"), default="reference",
+                        help="replay setup of commits that have one (older commits ran the reference one)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         if args.out:
-            Path(args.out).write_text(json.dumps(cells(ROOT, workdir), indent=1, sort_keys=True))
+            Path(args.out).write_text(json.dumps(cells(ROOT, workdir, args.setup), indent=1, sort_keys=True))
             return 0
         if args.against:
             args.commits = [args.against, "worktree"]
-            results = [json.loads(Path(args.against).read_text()), cells(ROOT, workdir)]
+            results = [json.loads(Path(args.against).read_text()), cells(ROOT, workdir, args.setup)]
         elif len(args.commits) != 2:
             parser.error("give two commits, --out or --against")
         else:
             results = []
         for commit in args.commits if not args.against else []:
             with checked_out(commit) as source:
-                results.append(cells(source, workdir))
+                results.append(cells(source, workdir, args.setup))
     before, after = results
     differ = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     for key in differ:

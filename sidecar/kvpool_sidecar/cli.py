@@ -10,7 +10,7 @@ from typing import Any
 
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, load_config
 from kvpool_sidecar.policies import POLICIES
-from kvpool_sidecar.replay import REFERENCE_POLICIES, TraceError, read_trace, report, run_matrix, synth, tune
+from kvpool_sidecar.replay import REFERENCE_POLICIES, SETUPS, TraceError, read_trace, report, run_matrix, synth, tune
 from kvpool_sidecar.replay.cluster import run_cluster_matrix
 from kvpool_sidecar.replay.trace import Trace
 from kvpool_sidecar.routing import ROUTING_MODES
@@ -69,9 +69,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     try:
         if cluster:
             results = list(run_cluster_matrix(trace, args.policy, args.capacity, args.pods, args.routing, spec,
-                                              membership=args.membership, progress=update))
+                                              membership=args.membership, progress=update, setup=args.setup))
         else:
-            results = list(run_matrix(trace, args.policy, args.capacity, spec, update))
+            results = list(run_matrix(trace, args.policy, args.capacity, spec, update, args.setup))
     finally:
         close()
     formatter = {"table": report.format_table, "json": report.format_json, "csv": report.format_csv}[args.format]
@@ -257,6 +257,9 @@ def _add_replay(sub: Any) -> None:
     replay.add_argument("--plot", help="write a hit-ratio-vs-capacity PNG here")
     replay.add_argument("--config", help="sidecar config / policy spec YAML for weights, windows...")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    replay.add_argument("--setup", choices=SETUPS, default="shipped",
+                        help="shipped: the spec as a user gets it (to-B share, auto-pins); reference: auto-pin off "
+                        "and, for a single-class trace, no to-B share (LRU then matches the reference simulator)")
     replay.add_argument("--pods", action="append", type=_positive_int,
                         help="cluster replay: this many pods (one pool each, --capacity split evenly); repeatable")
     replay.add_argument("--routing", action="append", choices=ROUTING_MODES,

@@ -311,6 +311,35 @@ def test_to_b_churn_never_evicts_to_c_pages():
     assert pool.lookup([7] * 8, meta=WorkloadMeta(workload_class=TO_B)) == 8
 
 
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "workload_adaptive"])
+def test_to_c_borrows_to_b_idle_share_and_gives_it_back_one_eviction_per_page(policy: str):
+    """The shipped 30 % to-B share is a floor, not a fence: with to-C traffic only, to-C caches in
+    the whole pool; a to-B burst gets every page of its share back at one eviction per page, and never
+    more than its share; to-C's pages in use stay within its own share, so to-B's is always reclaimable."""
+    pool = make_pool(100, eviction={"policy": policy})  # default isolationPercent: 30
+    to_b = WorkloadMeta(workload_class=TO_B)
+    for i in range(40):
+        run(pool, f"c{i}", [1000 + i] * PS * 5)  # 200 pages of to-C prompts through a 100-page pool
+    st = pool.stats()
+    assert st.cached_pages == 100 and st.partitions[TO_C].borrowed == 30
+    before = pool.evictions
+    for i in range(6):
+        pool.admit(f"b{i}", [2000 + i] * PS * 5, meta=to_b)  # 30 pages in use: to-B's whole share
+    st = pool.stats()
+    assert pool.evictions - before == 30
+    assert st.partitions[TO_B].owned == 30 and st.partitions[TO_C].borrowed == 0
+    with pytest.raises(PoolExhausted, match="toB"):
+        pool.admit("b-more", [3000] * PS, meta=to_b)
+    pool.check_invariants()
+    for i in range(6):
+        pool.release(f"b{i}")
+    held = [pool.admit(f"long{i}", [4000 + i] * PS * 10) for i in range(7)]  # to-C's share in use
+    assert sum(len(a.page_ids) for a in held) == 70
+    with pytest.raises(PoolExhausted, match="toC"):
+        pool.admit("c-more", [5000] * PS)  # to-B's 30 cached pages are its own: to-C may not evict them
+    pool.check_invariants()
+
+
 def test_fork_shares_full_pages_and_copies_the_partial_one():
     pool = make_pool()
     adm = pool.admit("a", list(range(10)))
@@ -378,9 +407,15 @@ def test_live_reconfigure_keeps_pages_and_refuses_page_size_change():
                                           "pinning": {"quotaPercent": 5}})
     )
     assert pool.lookup(list(range(16))) == 16
-    # to-C is now over its share: it shrinks by evicting its own pages as it allocates.
+    # to-C is now over its share of 2 pages: it keeps them while to-B leaves its share idle...
     run(pool, "b", [5] * 8)
-    assert pool.stats().partitions[TO_C].owned <= 4
+    assert pool.stats().partitions[TO_C].borrowed == 4
+    # ...and gives them back, one eviction each, when to-B needs its whole share of 18.
+    before = pool.evictions
+    pool.admit("to-b", [9] * 4 * 18, meta=WorkloadMeta(workload_class=TO_B))
+    st = pool.stats()
+    assert st.partitions[TO_B].owned == 18 and st.partitions[TO_C].borrowed == 0
+    assert pool.evictions - before == 4
     pool.check_invariants()
 
 
@@ -493,4 +528,84 @@ def test_a_flood_of_long_prompts_cannot_starve_later_ones_of_auto_pins():
     with pytest.raises(QuotaExceeded):
         pool.pin(tokens=list(range(500, 600)))
     assert {k for k, r in pool.pins.items() if r.auto} == autos
+    pool.check_invariants()
+
+
+def test_a_failing_observer_never_fails_an_admission_nor_leaks_a_page():
+    """The reuse model, the sketch and the self-tuner observe the pool; when one raises (a bug, a C
+    extension's error), the admission it observed still succeeds, every page stays accounted for (I1-I9)
+    and the failure is counted."""
+    spec = KVCachePolicySpec.model_validate({"pageSize": PS})  # the default policy, self-tuned
+    pool = PagePool(64, spec, clock=lambda: 0.0)
+    assert pool.tuners(), "the default policy runs a self-tuner"
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("observer bug")
+
+    for tuner in pool.tuners().values():
+        tuner.observe = broken
+    pool._sketch.add = broken
+    pool.model.observe_reuse = broken
+    pool.model.observe_release = broken
+    for i in range(40):  # enough to fill the pool and evict: hits, reuses and evictions all observed
+        prompt = list(range(8)) + [100 + i] * 8
+        adm = pool.admit(f"s{i}", prompt)
+        assert len(adm.page_ids) == 4
+        pool.commit(f"s{i}", len(prompt))
+        pool.release(f"s{i}")
+    pool.check_invariants()
+    st = pool.stats()
+    assert st.free_pages + st.cached_pages == 64 and st.sequences == 0
+    assert pool.lookup(list(range(8)) + [139] * 8) == 16
+    assert pool.observer_errors >= 80  # each admission's count and release, at least
+
+
+def test_a_chunked_long_prompt_has_one_auto_pin_and_a_long_pin_lapses_in_slices():
+    """Auto-pin keeps one record per sequence, grown by its chunked commits; when a long pin expires,
+    the admission that notices lapses one bounded slice of it, the rest lapse on later calls."""
+    from kvpool_sidecar.pool.pins import LAPSE_PAGES_PER_CALL
+
+    now = [0.0]
+    spec = {"pageSize": PS, "eviction": {"policy": "lru"},
+            "pinning": {"quotaPercent": 50, "autoPin": {"minPromptTokens": 16}}}
+    pool = PagePool(2000, KVCachePolicySpec.model_validate(spec), clock=lambda: now[0])
+    tokens = list(range(PS * 600))
+    pool.admit("long", tokens)
+    for done in range(PS * 100, PS * 600 + 1, PS * 100):  # six chunks
+        pool.commit("long", done)
+    assert pool.stats().pins == 1 and pool.stats().pinned_pages == 600
+    pool.release("long")
+    pool.check_invariants()
+    now[0] = 1e6  # past every class window
+    pool.admit("other", [7] * PS)
+    assert pool.stats().pins == 0 and pool.lapsing_pages == 600 - LAPSE_PAGES_PER_CALL
+    pool.check_invariants()
+    pool.release("other")
+    pool.expire_pins()
+    assert pool.lapsing_pages == 0 and pool.stats().pinned_pages == 0
+    assert pool.lookup(tokens) == len(tokens)  # lapsed, not dropped: still cached, evictable again
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize(("before", "after"), [("lru", "s3fifo"), ("workload_adaptive", "lru"), ("fifo", "lfu")])
+def test_a_policy_switch_hands_pages_over_in_slices_and_serves_meanwhile(before: str, after: str):
+    """A live switch moves no page in the reconfigure call: the old policy keeps naming victims while a
+    slice of its pages moves per call; nothing is lost, and the new policy ends up holding every page."""
+    from kvpool_sidecar.pool.handover import Handover
+
+    pool = make_pool(2000, eviction={"policy": before})
+    for i in range(100):
+        run(pool, f"c{i}", [1000 + i] * PS * 20)  # 2,000 cached pages
+    pool.reconfigure(KVCachePolicySpec.model_validate({"pageSize": PS, "eviction": {"policy": after}}))
+    assert all(isinstance(p, Handover) for p in pool.policies)  # nothing moved yet
+    assert pool.stats().cached_pages == 2000
+    hits = run(pool, "again", [1099] * PS * 20)  # served during the handover: a hit, then a release
+    assert hits == PS * 20
+    for i in range(3):
+        run(pool, f"new{i}", [5000 + i] * PS * 20)  # evicts through the handover
+    pool.check_invariants()
+    while pool.settle(max_pages=100):
+        pool.check_invariants()
+    assert [p.name for p in pool.policies] == [after, after]
+    assert pool.lookup([5002] * PS * 20) == PS * 20 and pool.lookup([1099] * PS * 20) == PS * 20
     pool.check_invariants()

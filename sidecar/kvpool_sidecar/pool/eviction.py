@@ -30,40 +30,54 @@ class Eviction:
 
     def _init_eviction(self) -> None:
         self._owned = [0, 0]  # pages in use or cached, by partition
-        self._caps = [self.total_pages, 0]
+        self._caps = [self.total_pages, 0]  # each partition's share: its pages in use or pinned stay within it
+        self._limits = [self.total_pages, 0]  # the pages each may hold: to-C borrows to-B's idle share
         self.evictions = 0
         self.pre_evictions = 0
         self.evictions_by: dict[tuple[str, str], int] = {}  # (partition, reason) -> pages
 
     def _obtainable(self, part: int, exclude: list[int]) -> int:
-        """Pages that partition ``part`` could get now, if the pages in ``exclude`` stop being evictable."""
-        headroom = self._caps[part] - self._owned[part]
+        """Pages that partition ``part`` could get now, if the pages in ``exclude`` stop being evictable.
+
+        Free pages and, up to its limit, the other partition's evictable pages past that one's share;
+        then its own evictable pages. Whatever it gets, its pages in use or pinned stay within its share
+        (:meth:`_share_left`): the other partition's share is then always free or one eviction away.
+        """
         policies = self._policies
-        if not exclude and headroom <= 0:
-            return len(policies[part])
-        evictable = [len(p) for p in policies]
+        evictable = [len(policies[0]), len(policies[1])]
         ref = self._ref
         pins = self._pins
         part_of = self._part
         for page in exclude:
             if not ref[page] and not pins[page]:  # cached, unpinned: in its policy (I1)
                 evictable[part_of[page]] -= 1
-        if headroom <= 0:
-            return evictable[part]
-        return evictable[part] + min(headroom, len(self._free) + evictable[1 - part])
+        other = 1 - part
+        room = self._limits[part] - self._owned[part]
+        spare = min(evictable[other], max(self._owned[other] - self._caps[other], 0))
+        reachable = evictable[part] + min(max(room, 0), len(self._free) + spare)
+        return min(reachable, self._caps[part] - (self._owned[part] - evictable[part]))
 
     def _surely_obtainable(self, part: int, need: int, excluded: int) -> bool:
         """Whether ``need`` pages are obtainable by a lower bound of :meth:`_obtainable` that does not
         look at the excluded pages (each makes at most one page of one partition unevictable): enough
         for the admission check of a big pool, and mostly decided by the partition's own pages."""
-        own = len(self._policies[part]) - excluded
+        own = len(self._policies[part])
+        if self._caps[part] - (self._owned[part] - own) - excluded < need:
+            return False
+        own -= excluded
         if own >= need:
             return True
-        headroom = self._caps[part] - self._owned[part]
-        if headroom <= 0:
+        room = self._limits[part] - self._owned[part]
+        if room <= 0:
             return False
-        other = max(len(self._policies[1 - part]) - excluded, 0)
-        return max(own, 0) + min(headroom, len(self._free) + other) >= need
+        other = 1 - part
+        spare = max(min(len(self._policies[other]) - excluded, self._owned[other] - self._caps[other]), 0)
+        return max(own, 0) + min(room, len(self._free) + spare) >= need
+
+    def borrowed(self, part: int) -> int:
+        """Pages ``part`` holds past its share: the other partition's idle share, which it gets back one
+        eviction per page."""
+        return max(self._owned[part] - self._caps[part], 0)
 
     def _allocate(self, part: int, count: int, now: float) -> list[int]:
         """Hand out ``count`` pages to ``part``; the caller checked :meth:`_obtainable` first.
@@ -73,10 +87,10 @@ class Eviction:
         """
         free = self._free
         owned = self._owned
-        cap = self._caps[part]
+        limit = self._limits[part]
         part_of = self._part
         ref = self._ref
-        take = min(count, len(free), max(cap - owned[part], 0))
+        take = min(count, len(free), max(limit - owned[part], 0))
         if take:
             pages = free[-take:]
             pages.reverse()
@@ -85,14 +99,17 @@ class Eviction:
         else:
             pages = []
         rest = count - take
-        if rest and owned[part] < cap:
-            # Under its share with no free page: the other partition is over its share (live resize).
-            # It gives up pages while it has evictable ones (a cascade may free several at once); the
-            # rest come from this partition's own, as _obtainable counted them.
-            other = self._policies[1 - part]
-            while len(pages) < count and owned[part] < cap and (free or len(other)):
+        other = 1 - part
+        if rest and owned[part] < limit and owned[other] > self._caps[other]:
+            # The other partition holds pages past its share (borrowed, or a live resize shrank it): it
+            # gives them back, one eviction each (a cascade may free several at once), while it has
+            # evictable ones; the rest come from this partition's own, as _obtainable counted them.
+            policy = self._policies[other]
+            while len(pages) < count and owned[part] < limit and (
+                free or (owned[other] > self._caps[other] and len(policy))
+            ):
                 if not free:
-                    self._evict_one(1 - part, now, "capacity")
+                    self._evict_one(other, now, "reclaimed")
                 pages.append(free.pop())
                 owned[part] += 1
             rest = count - len(pages)
@@ -177,7 +194,7 @@ class Eviction:
             self._count_evictions(part, "expired", expired)
             self._count_evictions(part, "capacity", evicted - expired)
         if ghost:
-            self._trim_ghost(now)
+            self._observe(self._trim_ghost, now)
         return pages
 
     def _evict_with_descendants(self, part: int, page: int, count: int, now: float) -> list[int]:
@@ -193,7 +210,7 @@ class Eviction:
         # A partition over its share (shrunk by a live resize) keeps its size while it serves its own
         # requests one page for one, as the leaf path does; it must not then fall short of the pages
         # _obtainable counted (its own evictable ones) because its cascades freed them past its cap.
-        cap = max(self._caps[part], owned[part])
+        cap = max(self._limits[part], owned[part])
         pages: list[int] = []
         expired = victims = 0
         cascaded = [0, 0]  # descendants taken along, by their partition (a hit can cross partitions)

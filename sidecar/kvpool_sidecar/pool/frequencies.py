@@ -47,11 +47,12 @@ class PageFrequencies:
         tuning = spec.eviction.selfTuning
         gamma = spec.eviction.weights.timeWindow or 1.0
         for part, policy in enumerate(self._policies):
-            shape = (self._caps[part], gamma, tuning) if counted[part] and tuning.enabled and self._caps[part] else None
+            limit = self._limits[part]  # the pages it may hold: to-C's include to-B's idle share
+            shape = (limit, gamma, tuning) if counted[part] and tuning.enabled and limit else None
             if shape != self._tuner_shape[part]:
                 self._tuner_shape[part] = shape
                 self._tuners[part] = None if shape is None else SelfTuner(
-                    self._caps[part], gamma, tuning, shared=PARTITIONS[part] != TO_B)
+                    limit, gamma, tuning, shared=PARTITIONS[part] != TO_B)
             if counted[part]:
                 tuner = self._tuners[part]
                 policy.set_reuse_weight(None if tuner is None else tuner.weight)
@@ -83,7 +84,7 @@ class PageFrequencies:
         force (the shared partition's; None for the to-B one, which learns P(reuse | count) instead)."""
         out: dict[str, dict] = {}
         for part, policy in enumerate(self._policies):
-            if not policy.uses_frequency or not self._caps[part]:
+            if not policy.uses_frequency or not self._limits[part]:
                 continue  # a partition with no pages ranks nothing
             tuner = self._tuners[part]
             out[PARTITIONS[part]] = {

@@ -8,6 +8,7 @@ and the all-or-nothing rule (I8: a call that raises leaves the pool as it was) a
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -33,11 +34,17 @@ from kvpool_sidecar.policies import EvictionPolicy, PageTree, PolicyContext, Pol
 from kvpool_sidecar.pool.eviction import Eviction
 from kvpool_sidecar.pool.frequencies import PageFrequencies
 from kvpool_sidecar.pool.ghost import GhostMemory
+from kvpool_sidecar.pool.handover import Handover
 from kvpool_sidecar.pool.pages import PageTable
 from kvpool_sidecar.pool.pins import Pinning
 from kvpool_sidecar.pool.records import PARTITIONS, Admission, PartitionStats, Pin, PoolStats, SeqState
 from kvpool_sidecar.pool.sequences import SequenceTable
 from kvpool_sidecar.workload import ReuseModel
+
+log = logging.getLogger("kvpool.pool")
+# Pages a policy switch moves to the new policy per pool call (the rest on later calls and in the
+# sidecar's background task): well under a millisecond, so a switch at a million pages stalls nothing.
+HANDOVER_PAGES_PER_CALL = 256
 
 
 class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFrequencies):
@@ -86,6 +93,7 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
         # Cumulative counters (read by metrics; cheap ints on the hot path).
         self.hit_tokens = 0
         self.lookup_tokens = 0
+        self.observer_errors = 0  # observers (statistics, tuners) that raised; the pool stayed exact
         self.spec = spec
         self._apply(spec)
 
@@ -96,6 +104,7 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
         self._size_ghost(any(p.uses_model for p in self._policies), max(windows.values()))
         to_b = int(n * spec.workloads.toB.isolationPercent / 100)
         self._caps = [n - to_b, to_b]
+        self._limits = [n, to_b]  # to-B's share is its guarantee and its limit; to-C may borrow its idle pages
         self.pin_quota = int(n * spec.pinning.quotaPercent / 100)
         self._isolate = spec.tenancy.isolation == "perTenant"
         self._shared_first = frozenset(spec.tenancy.sharedPrefixes)
@@ -114,7 +123,8 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
     def reconfigure(self, spec: KVCachePolicySpec) -> list[Pin]:
         """Swap parameters on the live pool: no page is dropped; over-full partitions shrink as they evict.
 
-        A new eviction policy takes over the cached pages in their recency order. A quota lowered below
+        A new eviction policy takes the cached pages over in the old one's eviction order, a slice per
+        call (:mod:`.handover`): no call stalls on the whole pool. A quota lowered below
         the pages pinned unpins the oldest pins until the rest fit (I6); returns the pins so removed.
         """
         if spec.pageSize != self.page_size:
@@ -124,19 +134,31 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
             )
         if spec.eviction.policy != self.spec.eviction.policy and self._fixed_factory is None:
             fresh = [self._new_policy(spec, i) for i in range(len(PARTITIONS))]  # may raise: nothing changed yet
-            for part, policy in enumerate(fresh):
-                pages = sorted(
-                    (p for p in range(self.total_pages) if p in self._policies[part]), key=self._last.__getitem__
-                )
-                for page in pages:
-                    depth = self._depth(page)
-                    policy.insert([page], [depth], depth + 1, self._last[page], self._klass[page])
-            self._policies = fresh
+            # The new policy takes the cached pages over a slice per call (see .handover), not all here.
+            self._policies = [Handover(old, new) for old, new in zip(self._policies, fresh, strict=True)]
         self.model.configure(spec)
         for policy in self._policies:
             policy.configure(spec)
         self._apply(spec)
         return self._fit_pins_to_quota()
+
+    def _handing_over(self) -> bool:
+        policies = self._policies
+        return type(policies[0]) is Handover or type(policies[1]) is Handover
+
+    def _hand_over(self, now: float, budget: int) -> None:
+        for part, policy in enumerate(self._policies):
+            if isinstance(policy, Handover) and policy.step(now, budget, self._depth, self._last, self._klass):
+                self._policies[part] = policy.new
+
+    def settle(self, now: float | None = None, max_pages: int = HANDOVER_PAGES_PER_CALL) -> bool:
+        """A slice of the deferred work (expired pins lapsing, a policy switch's handover), for an idle
+        moment or a background task; returns whether some is left."""
+        now = self.clock() if now is None else now
+        self._expire_pins(now, max_pages)
+        if self._handing_over():
+            self._hand_over(now, max_pages)
+        return bool(self._lapsing) or self._handing_over()
 
     @property
     def policies(self) -> tuple[EvictionPolicy, ...]:
@@ -181,8 +203,10 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
     ) -> Admission:
         """Start a sequence: reuse its longest cached prefix and allocate pages for the rest."""
         now = self.clock() if now is None else now
-        if self._pin_expiry and self._pin_expiry[0][0] <= now:
+        if (self._pin_expiry and self._pin_expiry[0][0] <= now) or self._lapsing:
             self._expire_pins(now)
+        if self._handing_over():
+            self._hand_over(now, HANDOVER_PAGES_PER_CALL)
         if seq_id in self._seqs:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists", "seq_id")
         self._room_for_a_sequence()
@@ -195,14 +219,12 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
             obtainable = self._obtainable(part, hits)
             if need > obtainable:
                 raise PoolExhausted(need, obtainable, PARTITIONS[part])
-        # From here on nothing raises (I8).
-        cross_user = self._take_hits(hits, meta.user, now)
+        # From here on nothing raises (I8): statistics and tuners are observers (see _observe).
+        cross_user, reuses = self._take_hits(hits, meta.user, now)
         if self._ghost:
-            self._observe_late_reuses(keys[len(hits):], now)
+            self._observe(self._observe_late_reuses, keys[len(hits):], now)
         evictions = self.evictions
         pages = hits + self._allocate(part, need, now) if need > 0 else hits
-        if self._counting:
-            self._count_pages(keys, pages, part, meta.workload_class, now)
         cached_tokens = min(len(hits) * ps, n)
         self.hit_tokens += cached_tokens
         self.lookup_tokens += n
@@ -210,13 +232,30 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
                                       self.class_of(meta))
         self._alloc_slots += len(pages) * ps
         self._used_slots += n
+        for klass, reused, gap_sum in reuses:
+            self._observe(self.model.observe_reuse, klass, reused, gap_sum, now)
+        if self._counting:
+            self._observe(self._count_pages, keys, pages, part, meta.workload_class, now)
         if keys and self._autopin.enabled:
             self._pin_hot_prefix(keys[0], hits, meta, now)
         return Admission(seq_id, cached_tokens, pages, cross_user * ps, self.evictions - evictions, keys)
 
-    def _take_hits(self, hits: list[int], user: str, now: float) -> int:
-        """The admitted prefix's pages are in use again: out of their policies, their reuses told to the
-        model (by the class that released each); returns how many another user computed first."""
+    def _observe(self, observer: Callable[..., object], *args: object) -> None:
+        """Feed an observer of pool events (the reuse model, the sketch, the tuners): it may fail, the
+        call that fed it may not. A failure leaves the pool exact (its pages and sequences are recorded
+        before any observer runs); it is counted (``observer_errors``) and logged."""
+        try:
+            observer(*args)
+        except Exception:
+            self.observer_errors += 1
+            if self.observer_errors & (self.observer_errors - 1) == 0:  # the 1st, 2nd, 4th, 8th...
+                log.exception("an observer of the pool failed (%d so far); the pool is unaffected",
+                              self.observer_errors)
+
+    def _take_hits(self, hits: list[int], user: str, now: float) -> tuple[int, list[tuple[Hashable, int, float]]]:
+        """The admitted prefix's pages are in use again: out of their policies. Returns how many another
+        user computed first, and the reuses to tell the model: (class that released them, pages, sum
+        of their gaps), by the class that released each."""
         ref = self._ref
         pins = self._pins
         last = self._last
@@ -225,6 +264,7 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
         klass_of = self._klass
         user_of = self._user
         cross_user = 0
+        reuses: list[tuple[Hashable, int, float]] = []
         reuse_class: Hashable = None
         reused = 0
         gap_sum = 0.0
@@ -236,7 +276,7 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
                 klass = klass_of[page]
                 if klass != reuse_class:
                     if reused:
-                        self.model.observe_reuse(reuse_class, reused, gap_sum, now)
+                        reuses.append((reuse_class, reused, gap_sum))
                         self._in_use += reused
                     reuse_class, reused, gap_sum = klass, 0, 0.0
                 reused += 1
@@ -246,9 +286,9 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
             ref[page] += 1
             last[page] = now
         if reused:
-            self.model.observe_reuse(reuse_class, reused, gap_sum, now)
+            reuses.append((reuse_class, reused, gap_sum))
             self._in_use += reused
-        return cross_user
+        return cross_user, reuses
 
     def release(self, seq_id: str, now: float | None = None) -> None:
         """The sequence is done: its published pages stay cached, the rest are freed."""
@@ -305,7 +345,7 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
         if cached:
             # Every cached page, pinned or in the other partition too: each is reported again when it
             # is reused or forgotten, and the model counts those still waiting (at risk).
-            self.model.observe_release(klass, cached, now)
+            self._observe(self.model.observe_release, klass, cached, now)
         self._alloc_slots -= len(pages) * self.page_size
         self._used_slots -= seq.num_tokens
 
@@ -339,7 +379,7 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
         free = len(self._free)
         cached = self.total_pages - free - in_use
         parts = {
-            name: PartitionStats(self._caps[i], self._owned[i], len(self._policies[i]))
+            name: PartitionStats(self._caps[i], self._owned[i], len(self._policies[i]), self.borrowed(i))
             for i, name in enumerate(PARTITIONS)
         }
         return PoolStats(

@@ -41,6 +41,7 @@ class PartitionStats:
     capacity: int
     owned: int  # pages in use or cached that belong to the partition
     evictable: int
+    borrowed: int = 0  # pages past its share: the other partition's idle pages, given back on demand
 
 
 @dataclass(slots=True)
@@ -75,3 +76,4 @@ class SeqState:
     published: int = 0  # pages [0, published) are in the prefix index
     publish_blocked: bool = False
     klass: Hashable = None  # its statistics class (PagePool.class_of), computed once
+    autopin: str | None = None  # its auto-pin's id: one record, grown by its chunked commits

@@ -2,7 +2,9 @@
 
 from kvpool_sidecar.replay.run import (
     REFERENCE_POLICIES,
+    SETUPS,
     ReplayResult,
+    Setup,
     capacity_pages,
     replay_pool,
     replay_reference,
@@ -16,6 +18,8 @@ __all__ = [
     "REFERENCE_POLICIES",
     "ReplayResult",
     "Request",
+    "SETUPS",
+    "Setup",
     "Trace",
     "TraceError",
     "capacity_pages",

@@ -14,7 +14,14 @@ from typing import Literal
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.pool import PagePool
-from kvpool_sidecar.replay.run import REFERENCE_POLICIES, ReplayResult, capacity_pages, serve_request, trace_spec
+from kvpool_sidecar.replay.run import (
+    REFERENCE_POLICIES,
+    ReplayResult,
+    Setup,
+    capacity_pages,
+    serve_request,
+    trace_spec,
+)
 from kvpool_sidecar.replay.trace import Trace
 from kvpool_sidecar.routing import HashRing, KeySpec, Router, key_movement, key_position
 
@@ -42,6 +49,7 @@ def replay_cluster(
     membership: Membership = "none",
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    setup: Setup = "shipped",
 ) -> ReplayResult:
     if pods < 1:
         raise ValueError("--pods must be at least 1")
@@ -49,7 +57,7 @@ def replay_cluster(
         raise ValueError("--membership leave needs at least 2 pods")
     total_pages, fraction = capacity_pages(trace, capacity)
     per_pod = max(1, total_pages // pods)
-    spec = trace_spec(trace, policy, spec)
+    spec = trace_spec(trace, policy, spec, setup)
     names = [pod_name(i) for i in range(pods)]
     pools = {name: PagePool(per_pod, spec, clock=lambda: 0.0) for name in names}
     # Trace ids are already chained per prefix and carry no tenant: used as they are, like the pool.
@@ -84,7 +92,7 @@ def replay_cluster(
         policy, per_pod * pods, fraction, hit_tokens / trace.total_input_tokens(), hit_blocks / total_blocks,
         len(trace.requests), evictions, seconds, trace.name, {}, oversized, pods, routing,
         _imbalance(list(requests.values())), _imbalance(list(tokens.values())),
-        moved if routing in HASH_MODES else None,
+        moved if routing in HASH_MODES else None, setup,
     )
 
 
@@ -122,6 +130,7 @@ def run_cluster_matrix(
     *,
     membership: Membership = "none",
     progress: Callable[[int], None] | None = None,
+    setup: Setup = "shipped",
 ) -> Iterator[ReplayResult]:
     for policy in policies:
         if policy in REFERENCE_POLICIES:
@@ -131,4 +140,4 @@ def run_cluster_matrix(
             for routing in routings:
                 for policy in policies:
                     yield replay_cluster(trace, policy, capacity, n, routing, spec, membership=membership,
-                                         progress=progress)
+                                         progress=progress, setup=setup)

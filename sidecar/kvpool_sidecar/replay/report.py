@@ -7,10 +7,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvpool_sidecar.replay.run import ReplayResult
+from kvpool_sidecar.replay.run import REFERENCE_POLICIES, ReplayResult
 
 COLUMNS = ("policy", "capacity_fraction", "capacity_pages", "token_hit_ratio", "block_hit_ratio", "evictions",
-           "seconds")
+           "seconds", "setup")
+SETUP_NOTE = "shipped: the spec as a user gets it, to-B share and auto-pins on; reference: both off for one class"
 CLUSTER_COLUMNS = ("pods", "routing", "load_imbalance", "token_imbalance", "keys_moved")
 
 
@@ -34,6 +35,9 @@ def format_table(results: list[ReplayResult]) -> str:
             moved = "-" if r.keys_moved is None else f"{r.keys_moved:.2%}"
             line += f"{r.load_imbalance:>13.3f}{r.token_imbalance:>13.3f}{moved:>11}"
         lines.append(line + f"{r.seconds:>8.2f}")
+    setups = sorted({r.setup for r in results if r.policy not in REFERENCE_POLICIES})
+    if setups:
+        lines.append(f"setup: {', '.join(setups)} ({SETUP_NOTE})")
     return "\n".join(lines)
 
 

@@ -11,13 +11,15 @@ import heapq
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.pool import TO_B, PagePool, PoolExhausted
 from kvpool_sidecar.replay.trace import Request, Trace
 
 REFERENCE_POLICIES = ("belady", "infinite")
+Setup = Literal["shipped", "reference"]
+SETUPS: tuple[Setup, ...] = ("shipped", "reference")
 
 
 @dataclass(slots=True)
@@ -38,6 +40,7 @@ class ReplayResult:
     load_imbalance: float = 1.0  # max/mean requests per pod
     token_imbalance: float = 1.0  # max/mean prompt tokens per pod
     keys_moved: float | None = None  # share of seen keys whose owner changed at a membership change
+    setup: str = "shipped"  # the spec as a user gets it, or the reference setup (see replay_spec)
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,26 +62,33 @@ def capacity_pages(trace: Trace, capacity: float) -> tuple[int, float]:
 
 
 def replay_spec(
-    policy: str, block: int, base: KVCachePolicySpec | None = None, single_class: bool = False
+    policy: str, block: int, base: KVCachePolicySpec | None = None, single_class: bool = False,
+    setup: Setup = "shipped",
 ) -> KVCachePolicySpec:
-    """The spec a replay runs: the given one (or defaults) with the policy and page size of the trace.
+    """The spec a replay runs: the given one (or the shipped defaults) with the policy and page size of
+    the trace.
 
-    Auto-pinning is off and, for a single-class trace, so is the to-B partition, so that every policy
-    gets the same pages and LRU replays exactly what the reference simulator does.
+    ``shipped`` runs it as a user gets it (the to-B share, auto-pins). ``reference`` turns auto-pinning
+    off and, for a single-class trace, the to-B share, so that every policy gets the same pages and LRU
+    replays exactly what the reference simulator does.
     """
     data = (base or KVCachePolicySpec()).model_dump()
     data["pageSize"] = block
     data["eviction"]["policy"] = policy
-    data["pinning"]["autoPin"]["enabled"] = False
-    if single_class:
-        data["workloads"]["toB"]["isolationPercent"] = 0
+    if setup == "reference":
+        data["pinning"]["autoPin"]["enabled"] = False
+        if single_class:
+            data["workloads"]["toB"]["isolationPercent"] = 0
     return KVCachePolicySpec.model_validate(data)
 
 
-def trace_spec(trace: Trace, policy: str, base: KVCachePolicySpec | None = None) -> KVCachePolicySpec:
-    """:func:`replay_spec` for ``trace``: its page size, and one partition unless it has to-B requests."""
+def trace_spec(
+    trace: Trace, policy: str, base: KVCachePolicySpec | None = None, setup: Setup = "shipped"
+) -> KVCachePolicySpec:
+    """:func:`replay_spec` for ``trace``: its page size; one partition in the reference setup unless it
+    has to-B requests."""
     single_class = not any(r.meta.workload_class == TO_B for r in trace.requests)
-    return replay_spec(policy, trace.block_size, base, single_class=single_class)
+    return replay_spec(policy, trace.block_size, base, single_class=single_class, setup=setup)
 
 
 def replay_pool(
@@ -88,10 +98,11 @@ def replay_pool(
     spec: KVCachePolicySpec | None = None,
     progress: Callable[[int], None] | None = None,
     pool: PagePool | None = None,
+    setup: Setup = "shipped",
 ) -> ReplayResult:
     """Drive the real pool with the trace: admit, commit the whole prompt, release, per request."""
     pages, fraction = capacity_pages(trace, capacity)
-    spec = trace_spec(trace, policy, spec)
+    spec = trace_spec(trace, policy, spec, setup)
     pool = pool or PagePool(pages, spec, clock=lambda: 0.0)
     block = trace.block_size
     hit_tokens = hit_blocks = total_blocks = oversized = 0
@@ -113,6 +124,7 @@ def replay_pool(
     return ReplayResult(
         policy, pages, fraction, hit_tokens / total, hit_blocks / total_blocks, len(trace.requests),
         pool.evictions, seconds, trace.name, {k: v[0] / v[1] for k, v in class_hits.items()}, oversized,
+        setup=setup,
     )
 
 
@@ -217,10 +229,11 @@ def run_matrix(
     capacities: list[float],
     spec: KVCachePolicySpec | None = None,
     progress: Callable[[int], None] | None = None,
+    setup: Setup = "shipped",
 ) -> Iterator[ReplayResult]:
     for capacity in capacities:
         for policy in policies:
             if policy in REFERENCE_POLICIES:
                 yield replay_reference(trace, policy, capacity)
             else:
-                yield replay_pool(trace, policy, capacity, spec, progress)
+                yield replay_pool(trace, policy, capacity, spec, progress, setup=setup)

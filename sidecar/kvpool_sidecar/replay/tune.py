@@ -109,7 +109,9 @@ def self_tuned(trace: Trace, capacity: float, spec: KVCachePolicySpec | None = N
             at[state["reuse_weight"]] = at.get(state["reuse_weight"], 0) + 1
 
     result = replay_pool(trace, "workload_adaptive", capacity, tuned, progress=tick, pool=pool)
-    tuning = pool.tuning()
+    served = {r.meta.workload_class for r in trace.requests}  # a partition no request used tuned nothing
+    tuning = {part: state for part, state in pool.tuning().items() if part in served}
+    ticks = {part: at for part, at in ticks.items() if part in served}
     return SelfTuningReport(
         result.token_hit_ratio,
         {part: state["reuse_weight"] for part, state in tuning.items()},

@@ -169,9 +169,23 @@ async def _config_file_events(sidecar: Sidecar) -> None:
         log.warning("cannot watch %s for changes (%s): polling only", directory, exc)
 
 
+SETTLE_PAGES = 1024  # pages per background slice: about a millisecond of the pool's lock
+
+
 async def _pre_evict_when_idle(sidecar: Sidecar, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
+        # Expired pins lapse and a switched policy takes pages over a slice at a time, busy or not,
+        # yielding to requests between slices.
+        while True:
+            try:
+                more = await sidecar.run_background(sidecar.pool.settle, None, SETTLE_PAGES)
+            except Exception:
+                log.exception("settling the pool (expired pins, a policy handover) failed")
+                break
+            if not more:
+                break
+            await asyncio.sleep(0)
         # Small steps while the pool stays idle, yielding to requests between them.
         while time.monotonic() - sidecar.last_activity >= IDLE_SECONDS:
             try:

@@ -121,7 +121,7 @@ class SidecarMetrics:
             self.shadow_hit_tokens.labels(klass)
             self.reuse_gap.labels(klass)
             self.drift_events.labels(klass)
-        for reason in ("capacity", "expired", "pre_eviction"):
+        for reason in ("capacity", "expired", "pre_eviction", "reclaimed"):
             for partition in ("toC", "toB"):
                 self.evicted_pages.labels(partition, reason)
         for result in ("applied", "unchanged", "invalid"):
@@ -170,7 +170,10 @@ class _PoolCollector(Collector):
         for state in ("free", "in_use", "cached", "pinned"):
             pages.add_metric([state], snap["pages"][state])
         yield pages
-        part = GaugeMetricFamily("kvpool_partition_pages", "Pages per partition", labels=["partition", "kind"])
+        part = GaugeMetricFamily(
+            "kvpool_partition_pages", "Pages per partition: capacity (its share), owned (in use or cached), evictable, "
+            "borrowed (owned past its share: the other partition's idle pages, given back on demand)",
+            labels=["partition", "kind"])
         for name, values in snap["partitions"].items():
             for kind, value in values.items():
                 part.add_metric([name, kind], value)
@@ -187,6 +190,9 @@ class _PoolCollector(Collector):
             value=snap["fragmentation"],
         )
         yield GaugeMetricFamily("kvpool_sequences", "Live sequences", value=snap["sequences"])
+        yield CounterMetricFamily(
+            "kvpool_observer_errors", "Failures of the pool's observers (reuse model, sketch, self-tuner): the "
+            "call they observed succeeded and the pool stayed exact; each is logged", value=snap["observer_errors"])
         decay = GaugeMetricFamily(
             "kvpool_reuse_decay_per_minute", "Fitted reuse decay rate per workload class", labels=["workload_class"]
         )

@@ -16,7 +16,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from array import array
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -42,35 +42,38 @@ DEFAULT_MAX_PINS_PER_OWNER = 4096  # pin records one credential holds (auto-pins
 HEAVY_PAGES = 2048  # an admission of this many pages may evict as many: ~10 ms, off the event loop
 
 
+SHADOW_SLOTS_PER_PAGE = 8  # the unbounded cache's memory: 8 fingerprints of 8 bytes per pool page
+MIN_SHADOW_SLOTS = 1 << 16  # a small pool's ideal still remembers a useful history (512 KiB)
+
+
 class ShadowIndex:
-    """The keys an unbounded cache would hold (hashes only, trimmed oldest-first past ``capacity``).
+    """The keys an unbounded cache would hold, approximately: a direct-mapped table of 64-bit key
+    fingerprints. A key stays until a later key lands on its slot: a cache of ``slots`` keys with random
+    replacement, eight times the pool, at 8 bytes a slot and no object per key.
 
     Its hit count is the ideal that ``kvpool_hit_tokens`` is measured against (eviction efficiency).
     """
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._table = array("q", bytes(8 * slots))
 
     def admit(self, keys: list[Hashable]) -> int:
         """Pages of ``keys`` that an unbounded cache would hit; then remembers them all."""
+        table = self._table
+        n = self.slots
         hits = 0
+        leading = True
         for key in keys:
-            if key not in self._keys:
-                break
-            hits += 1
-        store = self._keys
-        for key in keys:
-            store[key] = None
-            store.move_to_end(key)
-        while len(store) > self.capacity:
-            store.popitem(last=False)
+            fingerprint = hash(key) | 1  # never 0: an empty slot
+            slot = fingerprint % n
+            if leading:
+                if table[slot] == fingerprint:
+                    hits += 1
+                else:
+                    leading = False
+            table[slot] = fingerprint
         return hits
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
 
 
 class Sidecar(ConfigReloads):
@@ -100,7 +103,7 @@ class Sidecar(ConfigReloads):
         self.state = ConfigState(config, spec_hash(config))
         self.metrics = SidecarMetrics()
         self.metrics.add_gauges(self.snapshot)
-        self.shadow = ShadowIndex(shadow_capacity or max(10 * pages, 100_000))
+        self.shadow = ShadowIndex(shadow_capacity or max(SHADOW_SLOTS_PER_PAGE * pages, MIN_SHADOW_SLOTS))
         self.storage = storage
         self.storage_epoch = storage.epoch if storage is not None else None
         self.backend: dict[str, Any] = storage.describe() if storage else {"storage": "none", "kernels": "none"}
@@ -188,7 +191,7 @@ class Sidecar(ConfigReloads):
 
     def pins_of(self, who: Principal) -> list[Any]:
         """The live pins ``who`` may remove (an admin: all of them, auto-pins included)."""
-        self.pool.expire_pins()
+        self.pool.expire_pins(max_pages=0)  # expired records leave now; their pages lapse in slices
         records = self.pool.pins.values()
         if who.role == "admin":
             return list(records)
@@ -368,7 +371,7 @@ class Sidecar(ConfigReloads):
             "pages": {"free": st.free_pages, "in_use": st.in_use_pages, "cached": st.cached_pages,
                       "pinned": st.pinned_pages},
             "partitions": {
-                name: {"capacity": p.capacity, "owned": p.owned, "evictable": p.evictable}
+                name: {"capacity": p.capacity, "owned": p.owned, "evictable": p.evictable, "borrowed": p.borrowed}
                 for name, p in st.partitions.items()
             },
             "pin_quota": st.pin_quota_pages,
@@ -376,6 +379,7 @@ class Sidecar(ConfigReloads):
                          "refused": self.pool.autopins_refused},
             "fragmentation": st.fragmentation_tokens,
             "sequences": st.sequences,
+            "observer_errors": self.pool.observer_errors,
             "fits": fits,
             "tuning": self.pool.tuning(),
         }
