@@ -38,7 +38,9 @@ class PageFrequencies:
         counted = [p.uses_frequency for p in self._policies]
         self._counting = any(counted)
         want = self.total_pages if self._counting else 0
-        if self._sketch.pages != want:
+        # Sized when a policy first counts; kept (unused) when a switch drops counting: freeing a million
+        # pages' counts would stall the switch, and a switch back finds them ready.
+        if want > self._sketch.pages:
             self._sketch.size_for(want)
             self._page_counts[:] = [0] * want
             for curve in self._curves:

@@ -43,8 +43,9 @@ from kvpool_sidecar.workload import ReuseModel
 
 log = logging.getLogger("kvpool.pool")
 # Pages a policy switch moves to the new policy per pool call (the rest on later calls and in the
-# sidecar's background task): well under a millisecond, so a switch at a million pages stalls nothing.
-HANDOVER_PAGES_PER_CALL = 256
+# sidecar's background task): each needs its depth (a walk up the tree), about 0.3 ms per call at a
+# prompt depth of 64 pages, so a switch at a million pages stalls nothing.
+HANDOVER_PAGES_PER_CALL = 64
 
 
 class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFrequencies):

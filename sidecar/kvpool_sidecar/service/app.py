@@ -169,7 +169,7 @@ async def _config_file_events(sidecar: Sidecar) -> None:
         log.warning("cannot watch %s for changes (%s): polling only", directory, exc)
 
 
-SETTLE_PAGES = 1024  # pages per background slice: about a millisecond of the pool's lock
+SETTLE_PAGES = 256  # pages per background slice: about a millisecond of the pool's lock
 
 
 async def _pre_evict_when_idle(sidecar: Sidecar, interval: float) -> None:

@@ -42,21 +42,22 @@ DEFAULT_MAX_PINS_PER_OWNER = 4096  # pin records one credential holds (auto-pins
 HEAVY_PAGES = 2048  # an admission of this many pages may evict as many: ~10 ms, off the event loop
 
 
-SHADOW_SLOTS_PER_PAGE = 8  # the unbounded cache's memory: 8 fingerprints of 8 bytes per pool page
-MIN_SHADOW_SLOTS = 1 << 16  # a small pool's ideal still remembers a useful history (512 KiB)
+SHADOW_SLOTS_PER_PAGE = 8  # the unbounded cache's memory: 8 fingerprints of 4 bytes per pool page
+MIN_SHADOW_SLOTS = 1 << 17  # a small pool's ideal still remembers a useful history (512 KiB)
 
 
 class ShadowIndex:
-    """The keys an unbounded cache would hold, approximately: a direct-mapped table of 64-bit key
+    """The keys an unbounded cache would hold, approximately: a direct-mapped table of 32-bit key
     fingerprints. A key stays until a later key lands on its slot: a cache of ``slots`` keys with random
-    replacement, eight times the pool, at 8 bytes a slot and no object per key.
+    replacement, eight times the pool, at 4 bytes a slot and no object per key (a false hit needs two
+    keys of one slot to agree on 32 more bits of their hash).
 
     Its hit count is the ideal that ``kvpool_hit_tokens`` is measured against (eviction efficiency).
     """
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
-        self._table = array("q", bytes(8 * slots))
+        self._table = array("I", bytes(4 * slots))
 
     def admit(self, keys: list[Hashable]) -> int:
         """Pages of ``keys`` that an unbounded cache would hit; then remembers them all."""
@@ -65,8 +66,9 @@ class ShadowIndex:
         hits = 0
         leading = True
         for key in keys:
-            fingerprint = hash(key) | 1  # never 0: an empty slot
-            slot = fingerprint % n
+            h = hash(key)
+            slot = h % n
+            fingerprint = (h >> 32) & 0xFFFFFFFF or 1  # never 0: an empty slot
             if leading:
                 if table[slot] == fingerprint:
                     hits += 1
