@@ -76,14 +76,19 @@ def wait_port(port: int, deadline: float = 60) -> None:
     raise RuntimeError(f"port {port} did not open")
 
 
-def kvpool_config(policy: str, speedup: float, extra: dict) -> dict:
-    """The defaults, but: the windows and decay rates on the replay's faster clock; no to-B partition (the
-    trace is all chat: the default 30 % would stay empty, a third of the bytes unused); no auto-pin
-    (pins are an operator's choice, which LMCache does not offer: the comparison is of caches)."""
-    return {"pageSize": BLOCK, "eviction": {"policy": policy}, "pinning": {"autoPin": {"enabled": False}},
-            "workloads": {"toC": {"timeWindow": f"{int(600_000 / speedup)}ms", "decayPerMinute": 0.15 * speedup},
-                          "toB": {"timeWindow": f"{int(10_000 / speedup)}ms", "decayPerMinute": 6.0 * speedup,
-                                  "isolationPercent": 0}}, **extra}
+def kvpool_config(policy: str, speedup: float, extra: dict, reference: bool = False) -> dict:
+    """The shipped defaults (its 30 % to-B share, which to-C borrows while idle, and auto-pins), with the
+    windows and decay rates on the replay's faster clock; ``reference`` (``--setup reference``) turns
+    auto-pins and the to-B share off."""
+    config: dict = {
+        "pageSize": BLOCK, "eviction": {"policy": policy},
+        "workloads": {"toC": {"timeWindow": f"{int(600_000 / speedup)}ms", "decayPerMinute": 0.15 * speedup},
+                      "toB": {"timeWindow": f"{int(10_000 / speedup)}ms", "decayPerMinute": 6.0 * speedup}},
+    }
+    if reference:
+        config["pinning"] = {"autoPin": {"enabled": False}}
+        config["workloads"]["toB"]["isolationPercent"] = 0
+    return {**config, **extra}
 
 
 def metric_total(text: str, name: str) -> float:
@@ -113,8 +118,8 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
     bindir = Path(sys.executable).parent
     if system.startswith("kvpool"):
         policy = "lru" if system == "kvpool-lru" else "workload_aware"
-        (work / "config.yaml").write_text(yaml.safe_dump(kvpool_config(policy, args.speedup,
-                                                                       json.loads(args.kvpool_config))))
+        (work / "config.yaml").write_text(yaml.safe_dump(kvpool_config(
+            policy, args.speedup, json.loads(args.kvpool_config), args.setup == "reference")))
         port = free_port()
         services.append(subprocess.Popen(
             [bindir / "kvpool-sidecar", "serve", "--port", str(port), "--pages", str(args.pool_pages),
@@ -204,7 +209,7 @@ def report(results: list[dict], args: argparse.Namespace) -> None:
     prompt_tokens = sum(r["prompt"] for r in results[0]["rows"])
     print(f"{n} requests of {Path(args.trace).name} from #{args.start}, {prompt_tokens} prompt tokens; second tier "
           f"{args.pool_pages} pages x {BYTES_PER_PAGE} B = {args.pool_pages * BYTES_PER_PAGE / 2**20:.1f} MiB; "
-          f"vLLM's own cache {args.gpu_blocks} blocks; trace time / {args.speedup}")
+          f"vLLM's own cache {args.gpu_blocks} blocks; trace time / {args.speedup}; kvpool setup {args.setup}")
     print(f"vLLM alone: TTFT = {a * 1e3:.2f} ms + {b * 1e6:.2f} us x computed tokens (least squares)")
     head = (f"{'system':<12}{'computed':>10}{'2nd tier':>10}{'local':>8}{'TTFT p50':>10}{'p99':>8}"
             f"{'same tok':>10}{'cost/req':>10}{'saved/req':>11}")
@@ -240,6 +245,8 @@ def main() -> int:
     parser.add_argument("--lmcache-chunk", type=int, default=BLOCK)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--kvpool-config", default="{}", help="JSON merged into kvpool's config (top-level keys)")
+    parser.add_argument("--setup", choices=("shipped", "reference"), default="shipped",
+                        help="kvpool's spec: the shipped defaults, or auto-pins and the to-B share off")
     parser.add_argument("--model-dir", default=str(Path(tempfile.gettempdir()) / "kvpool-tiny-model"))
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from kvpool_sidecar.replay import read_trace, synth
-from kvpool_sidecar.replay.run import replay_pool
+from kvpool_sidecar.replay.run import SETUPS, replay_pool
 from kvpool_sidecar.replay.trace import Trace, parse_lines
 
 TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
@@ -35,9 +35,9 @@ def load(name: str, requests: int) -> Trace:
     return read_trace(TRACES / name)
 
 
-def cell(args: tuple[str, int, str, float]) -> tuple[str, str, float, float, float]:
-    name, requests, policy, capacity = args
-    result = replay_pool(load(name, requests), policy, capacity)
+def cell(args: tuple[str, int, str, float, str]) -> tuple[str, str, float, float, float]:
+    name, requests, policy, capacity, setup = args
+    result = replay_pool(load(name, requests), policy, capacity, setup=setup)
     return name, policy, capacity, result.token_hit_ratio, result.seconds
 
 
@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--json", help="write the cells here")
     parser.add_argument("--verbose", action="store_true", help="each cell to stderr as it comes")
+    parser.add_argument("--setup", choices=SETUPS, default="shipped",
+                        help="shipped: the spec as a user gets it; reference: auto-pins and one-class to-B share off")
     args = parser.parse_args()
     if args.no_shipped and args.trace:
         parser.error("--no-shipped: --trace names the traces itself (give one or the other)")
@@ -59,7 +61,7 @@ def main() -> None:
     capacities = args.capacity or list(CAPACITIES)
     shipped = [] if args.no_shipped else ["mooncake_conversation.jsonl", "mooncake_synthetic.jsonl"]
     names = args.trace or (shipped + [f"{p}:{s}" for p in synth.PROFILES for s in args.seeds.split(",")])
-    work = [(n, args.requests, p, c) for n in names for c in capacities for p in ["lru", *policies]]
+    work = [(n, args.requests, p, c, args.setup) for n in names for c in capacities for p in ["lru", *policies]]
     ratios: dict[tuple[str, str, float], float] = {}
     seconds: dict[str, float] = {}
     with ProcessPoolExecutor(args.jobs) as pool:
@@ -82,7 +84,7 @@ def main() -> None:
             print(f"{name:<30}{row}{worst:>+8.4f}{mark}")
             print(f"{'':<30}" + "".join(f"{'(' + format(ratios[name, 'lru', c], '.4f') + ')':>10}" for c in capacities))
         print(f"replay seconds in all: {policy} {seconds[policy]:.0f}, lru {seconds['lru']:.0f}")
-    print(f"\ncells more than {TOLERANCE} below LRU: {failed} trace rows")
+    print(f"\ncells more than {TOLERANCE} below LRU: {failed} trace rows (setup: {args.setup})")
     if args.json:
         Path(args.json).write_text(json.dumps([[n, p, c, r] for (n, p, c), r in ratios.items()]))
     sys.exit(0)
