@@ -61,7 +61,9 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
     * I4 no orphans: the parent of every indexed page is indexed too; eviction takes descendants first.
     * I5 eviction safety: a page in use or pinned is never in a policy, so never evicted.
     * I6 pin quota: pinned pages never exceed the quota (a lower quota applied live unpins the oldest).
-    * I7 partitions: a class allocates only inside its partition; it evicts only its own pages.
+    * I7 partitions: a class evicts only its own pages, and the other's only past that one's share
+      (to-C borrows to-B's idle share; to-B reclaims it one eviction per page); to-B holds at most its
+      share, and to-C's pages in use or pinned stay within its own.
     * I8 all or nothing: a call that raises leaves the pool exactly as it was.
     * I9 no leaks: with no sequence alive, free + cached pages == total pages.
     """
