@@ -25,7 +25,7 @@ class PageTable:
         self._first_child = [NO_PAGE] * n
         self._next_sib = [NO_PAGE] * n
         self._prev_sib = [NO_PAGE] * n
-        self._part = [0] * n
+        self._part = bytearray(n)  # partition index per page: a byte, not a list's 8
         self._last = [0.0] * n
         self._user: list[str] = [""] * n  # who first computed the page (cross-user reuse)
         self._klass: list[Hashable] = [None] * n  # statistics class of the request that last released it

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import secrets
+from array import array
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import replace
@@ -32,7 +33,7 @@ class Pinning:
     """Pin records, per-page pin counts, expiry and auto-pin; a part of :class:`~kvpool_sidecar.pool.PagePool`."""
 
     def _init_pins(self, n: int) -> None:
-        self._pins = [0] * n
+        self._pins = array("I", bytes(4 * n))  # pins per page (4 bytes a page, not a list's 8)
         self._pin_records: dict[str, Pin] = {}  # insertion order: oldest first
         self._pin_expiry: list[tuple[float, str]] = []  # a heap of (expiry, pin id)
         self._lapsing: deque[list] = deque()  # [record, pages of it still pinned]: expired or dropped pins
@@ -42,7 +43,7 @@ class Pinning:
         self.autopins_refused = 0
         self.autopins_displaced = 0
         self._auto_ids: dict[str, None] = {}  # live auto-pins, oldest first
-        self._auto_refs = [0] * n  # per page, how many of its pins are auto-pins
+        self._auto_refs = array("I", bytes(4 * n))  # per page, how many of its pins are auto-pins
         self._auto_only = 0  # pinned pages every pin of which is an auto-pin
         # First-page key -> recent admissions: a prefix above autoPin.minPrefixQPS keeps its shared
         # pages pinned (the page-length rule's sibling).
@@ -298,8 +299,8 @@ class Pinning:
             for p in record.pages[:n]:
                 pin_counts[p] += 1
                 auto_counts[p] += record.auto
-        assert pin_counts == self._pins, "I6: pin counts differ from the pin records"
-        assert auto_counts == self._auto_refs, "I6: auto-pin counts differ from the pin records"
+        assert pin_counts == list(self._pins), "I6: pin counts differ from the pin records"
+        assert auto_counts == list(self._auto_refs), "I6: auto-pin counts differ from the pin records"
         assert self._auto_only == sum(1 for p, c in enumerate(pin_counts) if c and c == auto_counts[p])
         pinned = sum(1 for c in pin_counts if c)
         assert pinned == self._pinned_pages, "I6: pinned page count drifted"
