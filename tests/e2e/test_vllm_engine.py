@@ -176,11 +176,18 @@ def test_g_a_hung_sidecar_costs_no_stall_and_leaks_nothing_once_it_resumes(stack
         generate(llm, prompts[0])  # the engine goes on; its old session's sequences must go
         assert time.monotonic() < deadline, stats
         time.sleep(0.3)
+    # The link backs off up to its ceiling (10 s) after the failed round trips: within it (plus a
+    # margin for this shared machine), the engine saves to and loads from kvpool again.
+    deadline = time.monotonic() + 25
+    from_pool = 0
+    while from_pool < PREFIX_BLOCKS * BLOCK:
+        assert time.monotonic() < deadline, "the connector did not come back to the resumed sidecar"
+        generate(llm, prompts[1])
+        tokens, from_pool = generate(llm, prompts[1])
+        assert tokens == baselines[1]
+        time.sleep(0.3)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "quarantined 2026-12-03: in the full module it loads 0 tokens on this machine, at 0498f80 (which passed CI "
-    "before) as well as at this session's head; alone it passed twice; cause not found yet (closing note, session 23)"))
 def test_h_an_aborted_request_keeps_the_saves_it_completed(stack):
     """Aborted mid-decode: its prompt's saves were planned, so it finishes through finished_sending and is
     released only after they were committed; the next request with its prefix loads them."""
