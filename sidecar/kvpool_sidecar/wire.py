@@ -49,6 +49,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
     session: str  # the engine instance: its sequences are released together when it goes
     model: str  # the served model's identity (name, revision, dtype, KV layout): keys are namespaced by it
     token: str | None = None
+    events: bool = False  # follow the pool's removals of this model's pages (the engine's KV events)
 
 
 class Welcome(msgspec.Struct, tag="welcome", array_like=True):
@@ -80,6 +81,7 @@ class Report(msgspec.Struct, array_like=True):
     saved_tokens: int = 0
     lookup_seconds: list[float] = msgspec.field(default_factory=list)
     failures: dict[str, int] = msgspec.field(default_factory=dict)
+    events: dict[str, int] = msgspec.field(default_factory=dict)  # KV events published, by type
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
@@ -105,6 +107,12 @@ class StepReply(msgspec.Struct, tag="reply", array_like=True):
     admits: list[Admitted | Failed]  # one per admission, in order
     commits: list[int | Failed]  # pages published, one per commit, in order
     releases: list[Failed | None]  # None: released
+    # With Hello.events: this model's block hashes that left the pool since the session's last step,
+    # before this step's commits and during its admissions; lost: more left than the sidecar keeps
+    # between two steps (the connector then counts none of what it announced as held).
+    removed_before: list[bytes] = msgspec.field(default_factory=list)
+    removed_after: list[bytes] = msgspec.field(default_factory=list)
+    removals_lost: bool = False
 
 
 Message = Hello | Welcome | Refused | Step | StepReply

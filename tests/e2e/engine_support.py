@@ -114,10 +114,12 @@ def connector_config(sidecar_socket: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def make_engine(model_dir: Path, sidecar_socket: str | None, *, gpu_blocks: int = 80, **extra: Any) -> Any:
+def make_engine(model_dir: Path, sidecar_socket: str | None, *, gpu_blocks: int = 80,
+                kv_events_endpoint: str | None = None, **extra: Any) -> Any:
     """A vLLM engine (its own prefix cache off) with the kvpool connector, or without when
-    ``sidecar_socket`` is None."""
+    ``sidecar_socket`` is None; ``kv_events_endpoint``: vLLM's ZMQ KV event publisher on (connecting there)."""
     from vllm import LLM
+    from vllm.config import KVEventsConfig
 
     kwargs: dict[str, Any] = dict(
         model=str(model_dir), dtype="float32", block_size=BLOCK, max_model_len=2048, seed=0, enforce_eager=True,
@@ -125,6 +127,9 @@ def make_engine(model_dir: Path, sidecar_socket: str | None, *, gpu_blocks: int 
     )
     if sidecar_socket is not None:
         kwargs["kv_transfer_config"] = connector_config(sidecar_socket, **extra)
+    if kv_events_endpoint is not None:
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                    endpoint=kv_events_endpoint, topic="kv")
     with environment(engine_env()):
         return LLM(**kwargs)
 

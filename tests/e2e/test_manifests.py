@@ -22,7 +22,7 @@ from support import live_app, live_sidecar
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
 K8S_VERSION = "1.37.0"
-CUSTOM_KINDS = {"PodMonitor", "PrometheusRule", "KVCachePolicy", "Kustomization"}
+CUSTOM_KINDS = {"PodMonitor", "PrometheusRule", "KVCachePolicy", "Kustomization", "InferencePool"}
 
 
 def documents() -> list[tuple[Path, dict]]:
@@ -268,3 +268,104 @@ def test_the_pod_monitor_scrapes_every_kvpool_container():
             assert host == "0.0.0.0" and named.get(port) in scraped_ports, (doc["metadata"]["name"], host, port)
             checked += 1
     assert checked == 2  # the inference pod's sidecar and the router
+
+
+# The InferencePool's schema as published by the Gateway API Inference Extension (inference.networking.k8s.io/v1,
+# its API reference and CRD): written down here because no cluster (and no CRD) is at hand.
+_NAME = {"type": "string", "minLength": 1, "maxLength": 253}
+_PORT = {"type": "object", "required": ["number"], "additionalProperties": False,
+         "properties": {"number": {"type": "integer", "minimum": 1, "maximum": 65535}}}
+INFERENCE_POOL_V1 = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "inference.networking.k8s.io/v1"},
+        "kind": {"const": "InferencePool"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "required": ["selector", "targetPorts", "endpointPickerRef"],
+            "additionalProperties": False,
+            "properties": {
+                "selector": {
+                    "type": "object", "required": ["matchLabels"], "additionalProperties": False,
+                    "properties": {"matchLabels": {
+                        "type": "object", "minProperties": 1,
+                        "additionalProperties": {"type": "string", "maxLength": 63,
+                                                 "pattern": "^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"}}},
+                },
+                "targetPorts": {"type": "array", "minItems": 1, "maxItems": 8, "items": _PORT},
+                "endpointPickerRef": {
+                    "type": "object", "required": ["name"], "additionalProperties": False,
+                    "properties": {
+                        "group": {"type": "string", "maxLength": 253},
+                        "kind": {"type": "string", "minLength": 1, "maxLength": 63},
+                        "name": _NAME,
+                        "port": _PORT,
+                        "failureMode": {"enum": ["FailOpen", "FailClose"]},
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def pool_documents() -> dict[str, dict]:
+    return {doc["kind"]: doc for _, doc in documents() if _.name == "inference-pool.yaml"}
+
+
+def test_the_inference_pool_validates_against_its_published_schema():
+    import jsonschema
+
+    pool = pool_documents()["InferencePool"]
+    jsonschema.validate(pool, INFERENCE_POOL_V1)
+    broken = json.loads(json.dumps(pool))
+    broken["spec"]["endpointPickerRef"]["failureMode"] = "Retry"
+    with pytest.raises(jsonschema.ValidationError):  # the schema can fail
+        jsonschema.validate(broken, INFERENCE_POOL_V1)
+
+
+def test_the_inference_pool_and_its_router_count_kvpools_tier():
+    """The pool selects the engine pods on the engine's port and names the picker's Service; the picker
+    reads each pod's KV event port with the engine's block size and weighs the tier kvpool's events name
+    (medium CPU) below the GPU's; the engine publishes those events, kvpool's pages among them."""
+    from kvpool_sidecar.engines.settings import parse_settings
+
+    pool = pool_documents()
+    spec = pool["InferencePool"]["spec"]
+    deployments = {doc["metadata"]["name"]: doc for _, doc in documents() if doc["kind"] == "Deployment"}
+    services = {doc["metadata"]["name"]: doc for _, doc in documents() if doc["kind"] == "Service"}
+    engine_pod = deployments["qwen-chat"]["spec"]["template"]
+    engine = next(c for c in engine_pod["spec"]["containers"] if c["name"] == "vllm")
+    assert spec["selector"]["matchLabels"].items() <= engine_pod["metadata"]["labels"].items()
+    ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
+    assert [p["number"] for p in spec["targetPorts"]] == [ports["http"]]
+    picker = services[spec["endpointPickerRef"]["name"]]
+    assert spec["endpointPickerRef"]["port"]["number"] in [p["port"] for p in picker["spec"]["ports"]]
+    epp_pod = deployments[spec["endpointPickerRef"]["name"]]["spec"]["template"]
+    assert picker["spec"]["selector"].items() <= epp_pod["metadata"]["labels"].items()
+
+    args = engine["args"]
+    events = json.loads(args[args.index("--kv-events-config") + 1])
+    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
+    assert parse_settings(transfer["kv_connector_extra_config"] | {"token_file": None}).kv_events
+    assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
+    assert events["endpoint"] == f"tcp://*:{ports['kv-events']}"  # each pod binds; the picker subscribes
+    assert "$(POD_IP)" in events["topic"] and any(e["name"] == "POD_IP" for e in engine["env"])
+
+    config = yaml.safe_load(pool["ConfigMap"]["data"]["epp.yaml"])
+    mounted = epp_pod["spec"]["containers"][0]["args"]
+    assert mounted[mounted.index("--config-file") + 1] == "/config/epp.yaml"
+    assert mounted[mounted.index("--pool-name") + 1] == pool["InferencePool"]["metadata"]["name"]
+    scorer = next(p for p in config["plugins"] if p["type"] == "precise-prefix-cache-scorer")["parameters"]
+    assert scorer["tokenProcessorConfig"]["blockSize"] == int(args[args.index("--block-size") + 1])
+    discovery = scorer["kvEventsConfig"]["podDiscoveryConfig"]
+    assert scorer["kvEventsConfig"]["discoverPods"] and discovery["socketPort"] == ports["kv-events"]
+    assert events["topic"].startswith(scorer["kvEventsConfig"]["topicFilter"])
+    selector = dict(kv.split("=") for kv in discovery["podLabelSelector"].split(","))
+    assert selector.items() <= engine_pod["metadata"]["labels"].items()
+    tiers = {t["name"]: t["weight"] for t in scorer["indexerConfig"]["kvCacheBackendConfigs"]}
+    assert 0 < tiers["cpu"] < tiers["gpu"]  # "cpu": vLLM's medium "CPU", the one kvpool's events carry
+    used = {p["pluginRef"] for prof in config["schedulingProfiles"] for p in prof["plugins"]}
+    assert "precise-prefix-cache-scorer" in used and used <= {p["type"] for p in config["plugins"]}

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool_sidecar import wire
+from kvpool_sidecar.engines.events import EventLog
 
 log = logging.getLogger("kvpool.engine")
 REPORT_EVERY = 1.0  # seconds idle after which a pending report is sent on its own
@@ -80,21 +81,27 @@ class Report:
     saved_tokens: int = 0
     lookup_seconds: list[float] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)
+    events: dict[str, int] = field(default_factory=dict)  # KV events published, by type (blocks)
 
     def fail(self, operation: str, n: int = 1) -> None:
         self.failures[operation] = self.failures.get(operation, 0) + n
 
+    def published(self, kind: str, n: int) -> None:
+        self.events[kind] = self.events.get(kind, 0) + n
+
     def empty(self) -> bool:
-        return not (self.loaded_tokens or self.saved_tokens or self.lookup_seconds or self.failures)
+        return not (self.loaded_tokens or self.saved_tokens or self.lookup_seconds or self.failures or self.events)
 
     def take(self) -> wire.Report | None:
         """The report to send, or None when empty; resets what it returns."""
         if self.empty():
             return None
-        out = wire.Report(self.loaded_tokens, self.saved_tokens, self.lookup_seconds[-4096:], dict(self.failures))
+        out = wire.Report(self.loaded_tokens, self.saved_tokens, self.lookup_seconds[-4096:], dict(self.failures),
+                          dict(self.events))
         self.loaded_tokens = self.saved_tokens = 0
         self.lookup_seconds = []
         self.failures = {}
+        self.events = {}
         return out
 
     def merge(self, sent: Report | wire.Report) -> None:
@@ -104,6 +111,8 @@ class Report:
         self.lookup_seconds = (sent.lookup_seconds + self.lookup_seconds)[-4096:]
         for op, n in sent.failures.items():
             self.fail(op, n)
+        for kind, n in sent.events.items():
+            self.published(kind, n)
 
 
 class Connection:
@@ -172,9 +181,10 @@ class SidecarLink:
     """Batched, asynchronous ops of one engine session against one sidecar (see the module doc)."""
 
     def __init__(self, path: str, hello: wire.Hello, *, timeout: float = 2.0, backoff: Backoff | None = None,
-                 name: str = "kvpool-link") -> None:
+                 name: str = "kvpool-link", events: EventLog | None = None) -> None:
         self.path = path
         self.hello = hello
+        self.events = events  # with hello.events: stores and removals recorded in the order of the replies
         self.timeout = timeout
         self.backoff = backoff or Backoff(f"sidecar {path}")
         self.report = Report()
@@ -196,14 +206,17 @@ class SidecarLink:
         self._put(("admit", op, future), future)
         return future
 
-    def commit(self, seq_id: str, num_tokens: int, generation: int) -> Future:
-        """Answers the pages published; dropped (SidecarDown) when its sequence's connection is gone."""
+    def commit(self, seq_id: str, num_tokens: int, generation: int,
+               published: Callable[[int], None] | None = None) -> Future:
+        """Answers the pages published; dropped (SidecarDown) when its sequence's connection is gone.
+        ``published`` is called with that count on the link's thread, in the order of the replies (after
+        the removals that came before the step, before those that came during it)."""
         future: Future = Future()
-        self._put(("commit", (wire.Commit(seq_id, num_tokens), generation), future), future)
+        self._put(("commit", (wire.Commit(seq_id, num_tokens), generation, published), future), future)
         return future
 
     def release(self, seq_id: str, generation: int) -> None:
-        self._put(("release", (seq_id, generation), None), None)
+        self._put(("release", (seq_id, generation, None), None), None)
 
     def _put(self, item: _Item, future: Future | None) -> None:
         if self._closed:
@@ -231,7 +244,9 @@ class SidecarLink:
                 item = self._queue.get(timeout=REPORT_EVERY)
             except queue.Empty:
                 with self._lock:
-                    due = not self.report.empty()
+                    # With KV events, an idle link still steps: removals reach the engine and a lost
+                    # sidecar is noticed (its pages leave the stream) within a second.
+                    due = not self.report.empty() or self.events is not None
                 if due and self.backoff.available():
                     self._send([])
                 continue
@@ -274,12 +289,13 @@ class SidecarLink:
             return
         gen = self.generation
         step = wire.Step()
-        sent: list[tuple[str, Future | None]] = []
+        sent: list[tuple[str, Future | None, Callable[[int], None] | None]] = []
         for kind, op, f in batch:
+            then = None
             if kind == "admit":
                 step.admits.append(op)
             else:
-                payload, op_gen = op
+                payload, op_gen, then = op
                 if op_gen != gen:  # its sequence went with an older connection: nothing to do
                     if f is not None:
                         f.set_exception(SidecarDown("the sequence's session ended"))
@@ -288,10 +304,10 @@ class SidecarLink:
                     step.commits.append(payload)
                 else:
                     step.releases.append(payload)
-            sent.append((kind, f))
+            sent.append((kind, f, then))
         with self._lock:
             step.report = self.report.take()
-        if not (step.admits or step.commits or step.releases or step.report):
+        if not (step.admits or step.commits or step.releases or step.report or self.events is not None):
             return
         start = time.perf_counter()
         try:
@@ -299,6 +315,8 @@ class SidecarLink:
         except (OSError, wire.WireError, Refused) as exc:
             self._conn = None
             conn.close()
+            if self.events is not None:  # what this engine announced is out of reach (maybe gone)
+                self.events.forget_all()
             self._failed(SidecarDown(f"{type(exc).__name__}: {exc}"), batch, step.report)
             return
         elapsed = time.perf_counter() - start
@@ -307,9 +325,14 @@ class SidecarLink:
         if step.admits:
             with self._lock:
                 self.report.lookup_seconds.extend([elapsed] * len(step.admits))
+        events = self.events
+        if events is not None:
+            events.removed(reply.removed_before)
         results = {"admit": iter(reply.admits), "commit": iter(reply.commits), "release": iter(reply.releases)}
-        for kind, f in sent:
+        for kind, f, then in sent:
             result = next(results[kind], None)
+            if then is not None and isinstance(result, int):
+                then(result)
             if f is None:
                 continue
             if isinstance(result, wire.Failed):
@@ -318,6 +341,10 @@ class SidecarLink:
                 f.set_result((gen, result))
             else:
                 f.set_result(result)
+        if events is not None:
+            events.removed(reply.removed_after)
+            if reply.removals_lost:
+                events.forget_all()
 
     def _failed(self, exc: Exception, batch: list[_Item], report: wire.Report | None) -> None:
         self.backoff.failed(exc)

@@ -107,6 +107,11 @@ class _Request:
     load: tuple[int, int] | None = None  # (first block index, count) still to load
     saved: int = 0  # pages [0, saved) are in the pool or being saved
     save_failed: bool = False  # nothing past a failed save is committed
+    # With KV events: the engine's request and its block hashes, and how many of its pages the sidecar
+    # says are published (written on the link's thread only, in reply order).
+    source: Any = None
+    hashes: list[bytes] = field(default_factory=list)
+    published: int = 0
 
     @property
     def active(self) -> bool:
@@ -118,6 +123,7 @@ class SchedulerSide:
                  world_size: int = 1, default_meta: dict[str, Any] | None = None,
                  trust_request_params: bool = False, clock: Any = time.monotonic) -> None:
         self.link = link
+        self.events = link.events
         self.block_size = block_size
         self.lookup_wait = lookup_wait
         self.world_size = world_size
@@ -140,14 +146,17 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------------------ lookups
     def matched_tokens(self, req_id: str, block_hashes: list[bytes], prompt_len: int, local_tokens: int,
-                       params: dict[str, Any] | None) -> int | None:
-        """Tokens past ``local_tokens`` to load from the pool; None: ask again next step."""
+                       params: dict[str, Any] | None, source: Any = None) -> int | None:
+        """Tokens past ``local_tokens`` to load from the pool; None: ask again next step. ``source``: the
+        engine's request, which the KV events read token ids from."""
         req = self._requests.get(req_id)
         if req is not None and req.allocated:  # preempted and back: start over with a fresh admission
             self._forget(req_id, req)
             req = None
         if req is None:
             req = self._admit(req_id, block_hashes, prompt_len, params)
+            if self.events is not None:
+                req.source, req.hashes = source, block_hashes
         req.local_tokens = local_tokens
         if req.future is not None:
             now = self.clock()
@@ -175,7 +184,9 @@ class SchedulerSide:
             req.page_ids = result.page_ids
             req.epoch = result.epoch
             req.pool_pages = result.cached_tokens // self.block_size
-            req.saved = req.pool_pages
+            req.saved = req.published = req.pool_pages
+            if self.events is not None and req.pool_pages:
+                self.events.held(req.hashes, req.pool_pages, req.source)
             if req.epoch is None:
                 log.warning("kvpool: the sidecar keeps no KV storage (start it with --kv-shape): nothing to load")
                 self._release(req)
@@ -286,8 +297,20 @@ class SchedulerSide:
                 if req.save_failed:
                     continue
                 if req.epoch is not None:
-                    self.link.commit(req.seq_id, upto * self.block_size, req.generation)
+                    self.link.commit(req.seq_id, upto * self.block_size, req.generation,
+                                     self._announcer(req) if self.events is not None else None)
             self._failed = {(s, rid) for s, rid in self._failed if s > step}
+
+    def _announcer(self, req: _Request) -> Any:
+        events = self.events
+        assert events is not None
+
+        def published(total: int) -> None:  # on the link's thread, in reply order
+            if total > req.published:
+                events.stored(req.hashes, req.published, total, req.source)
+                req.published = total
+
+        return published
 
     # ------------------------------------------------------------------------------ the end
     def finished(self, req_id: str) -> bool:

@@ -37,6 +37,9 @@ class ConnectorSettings(BaseModel):
         default=False, description="take tenant, class, turn and user from a request's kv_transfer_params "
         "(a client's OpenAI body): only where a gateway strips and sets them")
     kernels: Literal["triton", "triton-interpreter", "torch"] | None = None
+    kv_events: bool = Field(
+        default=False, description="publish kvpool's tier as the engine's KV events (BlockStored and "
+        "BlockRemoved with medium CPU), merged into vLLM's own stream (its --kv-events-config)")
 
     @model_validator(mode="after")
     def _one_token(self) -> ConnectorSettings:

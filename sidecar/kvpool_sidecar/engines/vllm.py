@@ -7,6 +7,10 @@ The only module that imports vllm. Load it with::
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"socket": "/tmp/kvpool/engine.sock", "token_file": "/var/run/kvpool/token"}}'
 
+With ``"kv_events": true`` (and vLLM's own ``--kv-events-config`` on), kvpool's pages are published in
+vLLM's KV event stream as ``BlockStored``/``BlockRemoved`` with ``medium="CPU"``, by vLLM's block hashes
+(:mod:`.events`), so a router that reads the stream (llm-d, Dynamo) counts the tier.
+
 A request's tenant and workload class are ``defaults`` of the extra config. A request's own
 ``kv_transfer_params`` (``tenant``, ``workload_class``, ``request_type``, ``turn``, ``user``; in the OpenAI API
 a field of the client's request body) count only with ``trust_request_params: true``, for deployments whose
@@ -18,19 +22,27 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import LayoutError, engine_layers
+from kvpool_sidecar.engines.events import EventLog, Stored
 from kvpool_sidecar.engines.identity import model_identity
 from kvpool_sidecar.engines.link import SidecarLink, fetch_welcome
 from kvpool_sidecar.engines.scheduler import SchedulerSide, StepDone, StepPlan
@@ -85,13 +97,19 @@ class KVPoolConnector(KVConnectorBase_V1):
                         "'recompute' makes the engine recompute it instead", failure_policy)
         self.model = model_identity(vllm_config, kv_cache_config)
         session = f"vllm-{getattr(vllm_config, 'instance_id', '') or 'x'}-{secrets.token_hex(4)}"
+        publish = self.settings.kv_events and role == KVConnectorRole.SCHEDULER
+        if publish and not getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False):
+            log.warning("kvpool: kv_events is set but vLLM's KV events are off (--kv-events-config "
+                        "enable_kv_cache_events): kvpool publishes none")
+            publish = False
         self._hello = wire.Hello(wire.PROTOCOL, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
-                                 session, self.model, self.settings.bearer())
+                                 session, self.model, self.settings.bearer(), publish)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            link = SidecarLink(self.settings.socket, self._hello, timeout=self.settings.timeout_s)
+            link = SidecarLink(self.settings.socket, self._hello, timeout=self.settings.timeout_s,
+                               events=EventLog() if publish else None)
             self._scheduler = SchedulerSide(
                 link, self.block_size, session=session, lookup_wait=self.settings.lookup_wait_ms / 1000,
                 default_meta=self.settings.defaults.model_dump(),
@@ -103,8 +121,44 @@ class KVPoolConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         hashes = [h if isinstance(h, bytes) else str(h).encode() for h in request.block_hashes]
         tokens = self._scheduler.matched_tokens(request.request_id, hashes, request.num_tokens, num_computed_tokens,
-                                                request.kv_transfer_params)
+                                                request.kv_transfer_params, request)
         return tokens, False
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvpool's stores and removals since the last step, as vLLM's KV events (vLLM merges them into its
+        own stream)."""
+        if self._scheduler is None or self._scheduler.events is None:
+            return ()
+        out: list[KVCacheEvent] = []
+        stored = removed = 0
+        for event in self._scheduler.events.take():
+            if isinstance(event, Stored):
+                out.append(self._block_stored(event))
+                stored += len(event.hashes)
+            else:
+                out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in event.hashes],
+                                        medium=MEDIUM_CPU, group_idx=0))
+                removed += len(event.hashes)
+        if out:
+            self._scheduler.link.record(lambda r: (r.published("stored", stored), r.published("removed", removed)))
+        return out
+
+    def _block_stored(self, event: Stored) -> BlockStored:
+        """The event vLLM's own block pool would publish for these blocks, with medium CPU."""
+        request, bs, first = event.source, self.block_size, event.first_block
+        extra: list[tuple[Any, ...] | None] = []
+        mm_idx = 0
+        for i in range(first, first + len(event.hashes)):
+            keys, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
+            extra.append(keys)
+        lora = request.lora_request
+        return BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in event.hashes],
+            parent_block_hash=maybe_convert_block_hash(event.parent) if event.parent is not None else None,
+            token_ids=list(request.all_token_ids[first * bs : (first + len(event.hashes)) * bs]),
+            block_size=bs, lora_id=lora.adapter_id if lora else None, medium=MEDIUM_CPU,
+            lora_name=lora.name if lora else None, extra_keys=to_event_extra_keys(extra), group_idx=0,
+        )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None

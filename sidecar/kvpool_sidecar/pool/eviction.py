@@ -149,6 +149,7 @@ class Eviction:
         last = self._last
         ghost = self._ghost if self._ghost_cap else None
         klass_of = self._klass
+        removed = self.removed_keys
         threshold = now - self._windows[PARTITIONS[part]]
         expired = 0
         # The ghost's value of a key, shared by the keys released together (one tuple, not one each)
@@ -175,6 +176,8 @@ class Eviction:
             k = key[page]
             del index[k]
             key[page] = None
+            if removed is not None:
+                removed.append(k)
             if ghost is not None and not hash(k) & GHOST_MASK:
                 if remembered is None or remembered[1] != last[page] or remembered[0] != klass_of[page]:
                     remembered = (klass_of[page], last[page])
@@ -275,6 +278,8 @@ class Eviction:
         """Remove an evictable page from the index and the tree and free it."""
         k = self._key[page]
         del self._index[k]
+        if self.removed_keys is not None:
+            self.removed_keys.append(k)
         if self._ghost_cap and not hash(k) & GHOST_MASK:
             self._ghost[k] = (self._klass[page], self._last[page])
         self._key[page] = None

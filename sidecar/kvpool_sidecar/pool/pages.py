@@ -32,6 +32,9 @@ class PageTable:
         self._index: dict[Hashable, int] = {}
         self._free = list(range(n - 1, -1, -1))  # a stack: page 0 is handed out first
         self._in_use = 0  # pages with refcount > 0
+        # Keys that left the index, in order, while someone follows them (the engine's KV events:
+        # the sidecar drains this list under the pool's lock); None: nobody does, nothing is kept.
+        self.removed_keys: list[Hashable] | None = None
 
     def _cached_prefix(self, keys: list[Hashable]) -> list[int]:
         index = self._index

@@ -13,6 +13,10 @@ connection (an engine restarted under the same id) and releases its sequences fi
 
 Keys: block hashes are namespaced by the session's model identity (model, revision, dtype, KV layout:
 the connector's ``model``), so an engine serving other weights never loads another model's pages.
+
+KV events: a session whose Hello asks for them follows the pool's removals of its model's pages
+(:mod:`.removals`); each reply carries the block hashes that left before the step's commits and during
+its admissions, so that the connector publishes stores and removals in the order they happened.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from kvpool_sidecar.pool import PoolError, UnknownSequence
 from kvpool_sidecar.service import models
 from kvpool_sidecar.service.credentials import ADMIN, Credentials, Principal
 from kvpool_sidecar.service.http import ApiError, error_name, workload_meta
+from kvpool_sidecar.service.removals import RemovalFeed
 from kvpool_sidecar.service.state import HEAVY_PAGES, Sidecar
 
 log = logging.getLogger("kvpool.sidecar")
@@ -61,6 +66,7 @@ class Session:
         self.who = who
         self.ns = namespace(model)
         self.live: set[str] = set()
+        self.feed: RemovalFeed | None = None
 
 
 class EngineChannel:
@@ -149,6 +155,8 @@ class EngineChannel:
             return None
         session = Session(msg.session, who, msg.model)
         if msg.role == "scheduler":
+            if msg.events:
+                session.feed = self.sidecar.removals.follow(session.ns)
             old = self.sessions.get(msg.session)
             if old is not None:
                 log.warning("engine session %s connected again: releasing what its old connection held", msg.session)
@@ -173,6 +181,9 @@ class EngineChannel:
 
     async def _lapse(self, session: Session) -> None:
         """Release what a session still holds (its connection is gone or replaced)."""
+        if session.feed is not None:
+            self.sidecar.removals.unfollow(session.feed)
+            session.feed = None
         current = self.sessions.get(session.id)
         if current is not None and current[0] is session:
             del self.sessions[session.id]
@@ -197,8 +208,9 @@ class EngineChannel:
     async def _step(self, session: Session, msg: wire.Step) -> wire.StepReply:
         sc = self.sidecar
         if msg.report is not None and (r := _report(msg.report)) is not None:
-            sc.metrics.observe_engine_report(r.loaded_tokens, r.saved_tokens, r.lookup_seconds, r.failures)
-        if not (msg.admits or msg.commits or msg.releases):
+            sc.metrics.observe_engine_report(r.loaded_tokens, r.saved_tokens, r.lookup_seconds, r.failures,
+                                          r.events)
+        if not (msg.admits or msg.commits or msg.releases or session.feed):
             return wire.StepReply([], [], [])
         heavy = sum(len(a.hashes) for a in msg.admits) >= HEAVY_PAGES
         return await sc.run(self._apply, session, msg, heavy=heavy)
@@ -207,6 +219,10 @@ class EngineChannel:
         sc = self.sidecar
         pool = sc.pool
         who = session.who
+        feed = session.feed
+        if feed is not None:
+            sc.removals.flush()
+            removed_before, lost = feed.take()
         # Commits, then releases, then admissions: a request's last commit precedes its release, and an
         # admission sees every page published and freed in the same step.
         commits: list[int | wire.Failed] = []
@@ -225,7 +241,11 @@ class EngineChannel:
         admits: list[wire.Admitted | wire.Failed] = []
         for adm in msg.admits:
             admits.append(_op(lambda adm=adm: self._admit(session, adm)))
-        return wire.StepReply(admits, commits, releases)
+        if feed is None:
+            return wire.StepReply(admits, commits, releases)
+        sc.removals.flush()
+        removed_after, lost_after = feed.take()
+        return wire.StepReply(admits, commits, releases, removed_before, removed_after, lost or lost_after)
 
     def _admit(self, session: Session, adm: wire.Admit) -> wire.Admitted:
         if not adm.hashes:
@@ -259,7 +279,7 @@ def _report(r: wire.Report) -> models.EngineReport | None:
     """A connector's report checked by the HTTP API's model; a bad one is dropped (its ops still apply)."""
     try:
         return models.EngineReport(loaded_tokens=r.loaded_tokens, saved_tokens=r.saved_tokens,
-                                   lookup_seconds=r.lookup_seconds, failures=r.failures)
+                                   lookup_seconds=r.lookup_seconds, failures=r.failures, events=r.events)
     except ValidationError as exc:
         log.warning("engine channel: dropping an invalid connector report: %s", exc.errors()[0]["msg"])
         return None

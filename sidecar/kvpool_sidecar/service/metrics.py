@@ -110,6 +110,10 @@ class SidecarMetrics:
             "kvpool_connector_failures", "Connector operations that failed (the engine recomputed or skipped)",
             ["operation"], registry=r,
         )
+        self.connector_kv_events = Counter(
+            "kvpool_connector_kv_events", "KV events an engine's connector published for kvpool's tier "
+            "(stored, removed: one per block)", ["type"], registry=r,
+        )
 
     def _start_at_zero(self) -> None:
         """Export every series from the start (at 0) so that rates and alerts see zeros, not absences."""
@@ -132,14 +136,19 @@ class SidecarMetrics:
             self.connector_tokens.labels(direction)
         for operation in ("lookup", "load", "save"):
             self.connector_failures.labels(operation)
+        for kind in ("stored", "removed"):
+            self.connector_kv_events.labels(kind)
 
-    def observe_engine_report(self, loaded: int, saved: int, lookups: list[float], failures: dict[str, int]) -> None:
+    def observe_engine_report(self, loaded: int, saved: int, lookups: list[float], failures: dict[str, int],
+                              events: dict[str, int] | None = None) -> None:
         self.connector_tokens.labels("loaded").inc(loaded)
         self.connector_tokens.labels("saved").inc(saved)
         for seconds in lookups:
             self.connector_lookup_seconds.observe(seconds)
         for operation, n in failures.items():
             self.connector_failures.labels(operation).inc(n)
+        for kind, n in (events or {}).items():
+            self.connector_kv_events.labels(kind).inc(n)
 
     def observe_admission(self, workload_class: str, cached: int, length: int, cross_user: int) -> None:
         children = self._region_children.get(workload_class)

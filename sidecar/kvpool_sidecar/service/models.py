@@ -210,6 +210,8 @@ class EngineReport(_Wire):
     lookup_seconds: list[Annotated[float, Field(ge=0, le=3600)]] = Field(default_factory=list, max_length=4096)
     failures: dict[Literal["lookup", "load", "save"], Annotated[int, Field(ge=0, le=2**40)]] = Field(
         default_factory=dict)
+    events: dict[Literal["stored", "removed"], Annotated[int, Field(ge=0, le=2**40)]] = Field(
+        default_factory=dict)
 
 
 class BatchRequest(_Wire):

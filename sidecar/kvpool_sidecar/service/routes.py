@@ -62,7 +62,8 @@ def sequence_routes(sidecar: Sidecar, auth: Callable[..., Any]) -> APIRouter:
         )
         if body.report is not None:
             r = body.report
-            sidecar.metrics.observe_engine_report(r.loaded_tokens, r.saved_tokens, r.lookup_seconds, r.failures)
+            sidecar.metrics.observe_engine_report(r.loaded_tokens, r.saved_tokens, r.lookup_seconds, r.failures,
+                                                  r.events)
         return await sidecar.run(_apply_batch, sidecar, body.ops, who, heavy=heavy)
 
     @api.post("/v1/lookup", response_model=m.LookupResponse, dependencies=v1, tags=["sequences"])

@@ -30,6 +30,7 @@ from kvpool_sidecar.pool import PagePool, PoolError, TooManyPins, UnknownPin, Un
 from kvpool_sidecar.service.credentials import ADMIN, Principal
 from kvpool_sidecar.service.metrics import SidecarMetrics
 from kvpool_sidecar.service.reloads import ConfigReloads, ConfigState
+from kvpool_sidecar.service.removals import Removals
 from kvpool_sidecar.storage import KVStorage, transfer
 from kvpool_sidecar.workload import DriftEvent, StatsClass
 
@@ -116,6 +117,7 @@ class Sidecar(ConfigReloads):
         self._mutex = threading.RLock()
         self.last_activity = time.monotonic()
         self.engine_fed = False  # an engine's connector has fed the pool (keys: its block hashes)
+        self.removals = Removals(self.pool)  # followed by engine sessions that publish KV events
         self.pool.model.on_drift = self._on_drift
         self.pool.model.on_reuse = self._on_reuse
         self._set_config_metrics()
@@ -228,6 +230,7 @@ class Sidecar(ConfigReloads):
         return adm
 
     def _count_evictions(self, before: dict[tuple[str, str], int]) -> None:
+        self.removals.flush()
         for (partition, reason), n in self.pool.evictions_by.items():
             delta = n - before.get((partition, reason), 0)
             if delta:
