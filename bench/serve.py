@@ -1,6 +1,8 @@
 """vLLM's OpenAI server driven by vLLM's own load generator, side by side in one run: vLLM alone, vLLM
 with an own cache as large as both tiers (the ceiling), LMCache's multiprocess server with the same bytes
-(when installed), and kvpool.
+(when installed), and kvpool; ``kvpool-events`` (not in the default list) is kvpool with its tier published
+as vLLM KV events (``"kv_events": true``; vLLM's ZMQ publisher on an ipc socket a subscriber thread of this
+script reads), to measure what the events cost the engine against ``kvpool``.
 
     .venv/bin/python bench/serve.py                                  # tiny model, 8 and 32 clients
     .venv/bin/python bench/serve.py --model mid --num-prompts 96     # ~33k prefill FLOP per KV byte
@@ -45,6 +47,7 @@ from kvpool_sidecar.service.server import parse_shape  # noqa: E402
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 BLOCK = 32
 SYSTEMS = ("vllm", "ceiling", "lmcache", "kvpool")
+OPTIONAL = ("kvpool-events",)  # kvpool publishing its tier as KV events (vLLM's own events on too)
 MID = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 6, "num_attention_heads": 12,
        "num_key_value_heads": 1, "head_dim": 64}
 
@@ -100,6 +103,46 @@ def histogram_quantiles(before: str, after: str, name: str, qs: tuple[float, ...
     return out
 
 
+class Subscriber:
+    """Counts the blocks of vLLM's KV event batches by type and medium (decoded with vLLM's own types)."""
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.counts: dict[str, int] = {}
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        self._sock.connect(endpoint)
+        self._decode = msgspec.msgpack.Decoder(type=KVEventBatch).decode
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        while not self._stop:
+            try:
+                frames = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            for ev in self._decode(frames[-1]).events:
+                kind = f"{type(ev).__name__}/{getattr(ev, 'medium', '')}"
+                self.counts[kind] = self.counts.get(kind, 0) + len(getattr(ev, "block_hashes", ()))
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(2)
+        self._sock.close(0)
+        self._ctx.term()
+
+
 class Stack:
     """One system: its services and vLLM's OpenAI server."""
 
@@ -112,7 +155,9 @@ class Stack:
         bytes_per_page = parse_shape(kv_shape).bytes_per_page(BLOCK)
         kv_transfer = None
         bindir = Path(sys.executable).parent
-        if system == "kvpool":
+        self.subscriber: Subscriber | None = None
+        kv_events = None
+        if system in ("kvpool", "kvpool-events"):
             port = free_port()
             (work / "config.yaml").write_text(args.kvpool_config)
             sock = str(work / "engine.sock")
@@ -126,6 +171,11 @@ class Stack:
             kv_transfer = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_sidecar.engines.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"socket": sock}}
+            if system == "kvpool-events":
+                kv_transfer["kv_connector_extra_config"]["kv_events"] = True
+                endpoint = f"ipc://{work / 'kv-events.sock'}"
+                kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+                self.subscriber = Subscriber(endpoint)
         elif system == "lmcache":
             port = free_port()
             gib = args.pool_pages * bytes_per_page / 2**30
@@ -146,6 +196,8 @@ class Stack:
                "--port", str(self.port), "--host", "127.0.0.1", "--seed", "0"]
         if kv_transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        if kv_events is not None:
+            cmd += ["--kv-events-config", json.dumps(kv_events)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("TRITON_INTERPRET", None)
         self.log = open(work / f"vllm-{system}.log", "w")
@@ -154,6 +206,8 @@ class Stack:
         wait_http(self.url + "/health", deadline=300)
 
     def close(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.close()
         for p in reversed(self.procs):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -215,6 +269,8 @@ def run_bench(stack: Stack, args: argparse.Namespace, model: Path, concurrency: 
         "sidecar_cpu_ms": 1000 * (cpu1 - cpu0) / max(1, result["completed"]) if stack.sidecar_pid else None,
         "rtt": None,
     }
+    if stack.subscriber is not None:
+        row["events"] = dict(stack.subscriber.counts)
     if stack.sidecar_url:
         time.sleep(1.5)  # the connector's last report
         side_after = httpx.get(stack.sidecar_url + "/metrics", timeout=10).text
@@ -240,8 +296,12 @@ def main() -> int:
     ap.add_argument("--pool-pages", type=int, default=2000, help="the second tier (pages of 32 tokens)")
     ap.add_argument("--kvpool-config", default="pageSize: 32\n", help="the sidecar's config (YAML): the defaults")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="run the systems this many times, alternating (noise)")
     args = ap.parse_args()
     systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS) - set(OPTIONAL)
+    if unknown:
+        ap.error(f"--systems: unknown {', '.join(sorted(unknown))} (known: {', '.join(SYSTEMS + OPTIONAL)})")
     if "lmcache" in systems:
         try:
             import lmcache  # noqa: F401
@@ -254,19 +314,22 @@ def main() -> int:
         model, kv_shape = build_tiny_model(work / "tiny"), TINY_KV_SHAPE
     else:
         model, kv_shape = build_mid_model(Path(tempfile.gettempdir()) / "kvpool-mid-model")
-    rows: dict[tuple[str, int], dict] = {}
-    for system in systems:
-        sys_work = work / system
-        sys_work.mkdir()
-        print(f"starting {system} ...", flush=True)
-        stack = Stack(system, args, model, kv_shape, sys_work)
-        try:
-            for c in concurrencies:
-                rows[(system, c)] = run_bench(stack, args, model, c)
-                r = rows[(system, c)]
-                print(f"  {system} @ {c}: {r['rps']:.2f} req/s", flush=True)
-        finally:
-            stack.close()
+    runs: list[dict[tuple[str, int], dict]] = []
+    for rnd in range(args.rounds):
+        rows: dict[tuple[str, int], dict] = {}
+        runs.append(rows)
+        for system in systems:
+            sys_work = work / f"{system}-{rnd}"
+            sys_work.mkdir()
+            print(f"starting {system} (round {rnd + 1}) ...", flush=True)
+            stack = Stack(system, args, model, kv_shape, sys_work)
+            try:
+                for c in concurrencies:
+                    rows[(system, c)] = run_bench(stack, args, model, c)
+                    r = rows[(system, c)]
+                    print(f"  {system} @ {c}: {r['rps']:.2f} req/s", flush=True)
+            finally:
+                stack.close()
     what = (f"{args.num_prefixes} prefixes of {args.prefix_len} + {args.suffix_len} tokens" if args.workload == "prefix"
             else f"the Mooncake conversation trace, {args.chunk} tokens per hash id")
     print(f"\nmodel {args.model} ({kv_shape}); {args.num_prompts} prompts, {what}, {args.output_len} out; "
@@ -274,6 +337,14 @@ def main() -> int:
     print("| system | clients | req/s | x vLLM | TTFT p50 ms | TTFT p99 ms | TPOT ms | x vLLM | 2nd-tier tokens "
           "| sidecar CPU ms/req | lookup RTT p50/p99 ms | same texts |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for rnd, rows in enumerate(runs):
+        if args.rounds > 1:
+            print(f"| round {rnd + 1} |||||||||||| ")
+        print_rows(rows)
+    return 0
+
+
+def print_rows(rows: dict[tuple[str, int], dict]) -> None:
     for (system, c), r in rows.items():
         base = rows.get(("vllm", c))
         same = "-"
@@ -285,7 +356,11 @@ def main() -> int:
         rtt = "/".join(f"{1000 * v:.1f}" if v is not None else "-" for v in r["rtt"]) if r["rtt"] else "-"
         print(f"| {system} | {c} | {r['rps']:.2f} | {ratio} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | "
               f"{r['tpot']:.2f} | {tpot} | {int(r['external_tokens']):,} | {cpu} | {rtt} | {same} |")
-    return 0
+    for (system, c), r in rows.items():
+        if "events" in r:
+            kvpool = rows.get(("kvpool", c))
+            vs = f", {r['rps'] / kvpool['rps']:.3f}x kvpool's req/s" if kvpool else ""
+            print(f"{system} @ {c}: KV event blocks seen by the subscriber (cumulative) {r['events']}{vs}")
 
 
 if __name__ == "__main__":
