@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm import envs
 from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -34,11 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from vllm.v1.core.kv_cache_utils import (
-    generate_block_hash_extra_keys,
-    maybe_convert_block_hash,
-    to_event_extra_keys,
-)
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import LayoutError, engine_layers
@@ -131,12 +128,13 @@ class KVPoolConnector(KVConnectorBase_V1):
             return ()
         out: list[KVCacheEvent] = []
         stored = removed = 0
+        event_hash = _event_hash()
         for event in self._scheduler.events.take():
             if isinstance(event, Stored):
                 out.append(self._block_stored(event))
                 stored += len(event.hashes)
             else:
-                out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(h) for h in event.hashes],
+                out.append(BlockRemoved(block_hashes=list(map(event_hash, event.hashes)),
                                         medium=MEDIUM_CPU, group_idx=0))
                 removed += len(event.hashes)
         if out:
@@ -152,9 +150,10 @@ class KVPoolConnector(KVConnectorBase_V1):
             keys, mm_idx = generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
             extra.append(keys)
         lora = request.lora_request
+        event_hash = _event_hash()
         return BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in event.hashes],
-            parent_block_hash=maybe_convert_block_hash(event.parent) if event.parent is not None else None,
+            block_hashes=list(map(event_hash, event.hashes)),
+            parent_block_hash=event_hash(event.parent) if event.parent is not None else None,
             token_ids=list(request.all_token_ids[first * bs : (first + len(event.hashes)) * bs]),
             block_size=bs, lora_id=lora.adapter_id if lora else None, medium=MEDIUM_CPU,
             lora_name=lora.name if lora else None, extra_keys=to_event_extra_keys(extra), group_idx=0,
@@ -238,3 +237,14 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.link.close()
+
+
+def _int_hash(h: bytes) -> int:
+    return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def _event_hash() -> Any:
+    """vLLM's own conversion of a block hash for its events (``maybe_convert_block_hash``: the low 64 bits
+    as an int unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), decided once per batch: vLLM's function reads
+    the environment on every call, most of the events' cost."""
+    return _int_hash if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else bytes
