@@ -5,7 +5,7 @@ code (instructions do not drift with a noisy machine the way a served benchmark'
     .venv/bin/python bench/kv_events_cost.py --blocks 60 --repeat 2000
 
 Per request on the engine's scheduler thread, with ``kv_events: true``: the connector's bookkeeping of
-the commit (:class:`~kvpool_sidecar.engines.events.EventLog`), one ``BlockStored`` of all its blocks
+the commit (:class:`~kvpool_sidecar.routing.kv_events.EventLog`), one ``BlockStored`` of all its blocks
 and, later, one ``BlockRemoved`` of them (the worst case: every page it stored is evicted), built by
 ``take_events`` as vLLM's own types (hash conversion, extra keys, token ids), and vLLM's publisher's
 msgpack encoding of the batch. Prints microseconds per request and the share of a request's time at a
@@ -23,9 +23,9 @@ from types import SimpleNamespace
 
 def main(argv: list[str] | None = None) -> int:
     import msgspec
-    from kvpool_sidecar.engines.events import EventLog
     from kvpool_sidecar.engines.link import Report
     from kvpool_sidecar.engines.vllm import KVPoolConnector
+    from kvpool_sidecar.routing.kv_events import EventLog
     from vllm.distributed.kv_events import KVEventBatch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 
 from kvpool_sidecar import wire
-from kvpool_sidecar.engines.events import EventLog, Removed, Stored
 from kvpool_sidecar.engines.link import SidecarLink
 from kvpool_sidecar.engines.scheduler import SchedulerSide
+from kvpool_sidecar.routing.kv_events import EventLog, Removed, Stored
 from kvpool_sidecar.service.removals import RemovalFeed
 from test_engine_connector import PS, hashes, save_whole, settle, sidecar_with_channel
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool_sidecar import wire
-from kvpool_sidecar.engines.events import EventLog
+from kvpool_sidecar.routing.kv_events import EventLog
 
 log = logging.getLogger("kvpool.engine")
 REPORT_EVERY = 1.0  # seconds idle after which a pending report is sent on its own

@@ -39,12 +39,12 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import LayoutError, engine_layers
-from kvpool_sidecar.engines.events import EventLog, Stored
 from kvpool_sidecar.engines.identity import model_identity
 from kvpool_sidecar.engines.link import SidecarLink, fetch_welcome
 from kvpool_sidecar.engines.scheduler import SchedulerSide, StepDone, StepPlan
 from kvpool_sidecar.engines.settings import parse_settings
 from kvpool_sidecar.engines.worker import WorkerSide
+from kvpool_sidecar.routing.kv_events import EventLog, Stored
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

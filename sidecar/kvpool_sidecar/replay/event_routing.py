@@ -9,7 +9,7 @@ the request as vLLM with the connector would: its own cache's leading hit, or kv
 computes the rest and saves it to both tiers. What the pods publish is what the index learns:
 
 * GPU tier: a stored event per block it caches, a removal per block its LRU drops;
-* kvpool: the connector's own bookkeeping (:class:`~kvpool_sidecar.engines.events.EventLog`) fed by the
+* kvpool: the connector's own bookkeeping (:class:`~kvpool_sidecar.routing.kv_events.EventLog`) fed by the
   pool's published count at commit and the keys the pool itself reports removed.
 
 Routers compared on the same trace: ``events`` (the index reads both media, what kvpool's events give a
@@ -23,10 +23,10 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.engines.events import EventLog, Removed, Stored
 from kvpool_sidecar.pool import PagePool, PoolExhausted
 from kvpool_sidecar.replay.run import capacity_pages, trace_spec
 from kvpool_sidecar.replay.trace import Request, Trace
+from kvpool_sidecar.routing.kv_events import EventLog, Removed, Stored
 
 GPU, CPU = "GPU", "CPU"
 TIER_WEIGHTS = {GPU: 1.0, CPU: 0.8}  # llm-d's defaults for its gpu and cpu tiers
