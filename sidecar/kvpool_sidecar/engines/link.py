@@ -325,6 +325,11 @@ class SidecarLink:
         if step.admits:
             with self._lock:
                 self.report.lookup_seconds.extend([elapsed] * len(step.admits))
+        self._deliver(reply, sent, gen)
+
+    def _deliver(self, reply: wire.StepReply, sent: list[tuple[str, Future | None, Callable[[int], None] | None]],
+                 gen: int) -> None:
+        """Answer each op's future from the reply; record the KV events in the order the pool saw them."""
         events = self.events
         if events is not None:
             events.removed(reply.removed_before)
