@@ -2,7 +2,8 @@
 with an own cache as large as both tiers (the ceiling), LMCache's multiprocess server with the same bytes
 (when installed), and kvpool; ``kvpool-events`` (not in the default list) is kvpool with its tier published
 as vLLM KV events (``"kv_events": true``; vLLM's ZMQ publisher on an ipc socket a subscriber thread of this
-script reads), to measure what the events cost the engine against ``kvpool``.
+script reads), to measure what the events cost the engine against ``kvpool``; ``kvpool-vllm-events`` has
+vLLM's own events on and kvpool's off (what vLLM's own tier costs).
 
     .venv/bin/python bench/serve.py                                  # tiny model, 8 and 32 clients
     .venv/bin/python bench/serve.py --model mid --num-prompts 96     # ~33k prefill FLOP per KV byte
@@ -47,7 +48,8 @@ from kvpool_sidecar.service.server import parse_shape  # noqa: E402
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 BLOCK = 32
 SYSTEMS = ("vllm", "ceiling", "lmcache", "kvpool")
-OPTIONAL = ("kvpool-events",)  # kvpool publishing its tier as KV events (vLLM's own events on too)
+# kvpool publishing its tier as KV events (vLLM's own events on too), and kvpool with vLLM's own events only
+OPTIONAL = ("kvpool-events", "kvpool-vllm-events")
 MID = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 6, "num_attention_heads": 12,
        "num_key_value_heads": 1, "head_dim": 64}
 
@@ -157,7 +159,7 @@ class Stack:
         bindir = Path(sys.executable).parent
         self.subscriber: Subscriber | None = None
         kv_events = None
-        if system in ("kvpool", "kvpool-events"):
+        if system in ("kvpool", *OPTIONAL):
             port = free_port()
             (work / "config.yaml").write_text(args.kvpool_config)
             sock = str(work / "engine.sock")
@@ -171,8 +173,8 @@ class Stack:
             kv_transfer = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_sidecar.engines.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"socket": sock}}
-            if system == "kvpool-events":
-                kv_transfer["kv_connector_extra_config"]["kv_events"] = True
+            if system in OPTIONAL:
+                kv_transfer["kv_connector_extra_config"]["kv_events"] = system == "kvpool-events"
                 endpoint = f"ipc://{work / 'kv-events.sock'}"
                 kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
                 self.subscriber = Subscriber(endpoint)
