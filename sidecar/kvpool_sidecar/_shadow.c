@@ -661,6 +661,36 @@ static PyMethodDef core_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *
+core_get_capacity(ShadowCore *s, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(s->capacity);
+}
+
+/* A new capacity applies at the next replay's eviction (as in ShadowCache). */
+static int
+core_set_capacity(ShadowCore *s, PyObject *value, void *Py_UNUSED(closure))
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "capacity cannot be deleted");
+        return -1;
+    }
+    Py_ssize_t capacity = PyLong_AsSsize_t(value);
+    if (capacity == -1 && PyErr_Occurred())
+        return -1;
+    if (capacity < 1) {
+        PyErr_SetString(PyExc_ValueError, "capacity must be at least 1");
+        return -1;
+    }
+    s->capacity = capacity;
+    return 0;
+}
+
+static PyGetSetDef core_getset[] = {
+    {"capacity", (getter)core_get_capacity, (setter)core_set_capacity, "the keys kept after a replay", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PySequenceMethods core_as_sequence = {.sq_length = (lenfunc)core_len};
 
 static PyTypeObject ShadowCoreType = {
@@ -671,6 +701,7 @@ static PyTypeObject ShadowCoreType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "ShadowCore(capacity, weight): a shadow cache's keys, queues and heap (see _shadow.c)",
     .tp_methods = core_methods,
+    .tp_getset = core_getset,
     .tp_new = core_new,
 };
 

@@ -2,6 +2,7 @@
 from collections.abc import Hashable, Sequence
 
 class ShadowCore:
+    capacity: int
     def __init__(self, capacity: int, weight: float) -> None: ...
     def replay(self, prompts: Sequence[tuple[Sequence[Hashable], Sequence[int], float, float, float]],
                p: Sequence[float], score: float, interval_hits: float) -> tuple[float, float]: ...

@@ -199,14 +199,18 @@ _prompts = st.lists(  # small keys, few counts, equal times: hits, moves between
 
 
 @given(capacity=st.integers(1, 6), weight=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
-       batches=st.lists(_prompts, min_size=1, max_size=12))
+       batches=st.lists(st.tuples(_prompts, st.integers(0, 6)), min_size=1, max_size=12))
 @settings(max_examples=150, deadline=None)
 def test_any_stream_leaves_the_compiled_and_python_shadows_alike(capacity, weight, batches):
+    """Any prompts, and capacities that move between batches (a partition's holdings do)."""
     _compiled_shadow()
     compiled, reference = ShadowCache(capacity, weight, compiled=True), ShadowCache(capacity, weight, compiled=False)
     curve = list(ReuseByCount().p)
     now = 0.0
-    for batch in batches:
+    for batch, resize in batches:
+        if resize:
+            compiled.capacity = reference.capacity = resize
+            assert compiled.capacity == resize
         prompts = []
         for keys, top, step, scale in batch:
             now += step
@@ -518,6 +522,34 @@ def test_each_partition_has_its_own_candidates_unless_the_policy_names_them():
     assert shares(20_000) == {"toC": 8, "toB": 8}  # 20,000 / 6,000 pages: shadows of 2,500 / 750
     assert shares(5_000) == {"toC": 4, "toB": 2}  # 5,000 / 1,500: 1,250 / 750
     assert shares(1_000) == {"toC": 1, "toB": 1}  # 1,000 / 300: unsampled, a smaller shadow ranks badly
+
+
+def test_to_c_shadows_simulate_the_pages_to_c_can_hold_now():
+    """to-C borrows to-B's idle share, so its shadows are the whole pool while to-B holds nothing;
+    once to-B holds pages, to-C can hold that many fewer, and its shadows shrink with it (a shadow of
+    the whole pool would compare the weights at a cache size to-C no longer has)."""
+    from kvpool_sidecar.keys import TO_B, WorkloadMeta
+
+    pool = PagePool(1_000, KVCachePolicySpec(), clock=lambda: 0.0)  # 30 % to-B share, unsampled shadows
+    tuner = pool.tuners()["toC"]
+
+    def to_c(i: int) -> None:
+        pool.admit(f"c{i}", block_hashes=[10_000 + 8 * i + j for j in range(8)], num_tokens=8 * 16)
+        pool.release(f"c{i}")
+
+    to_c(0)
+    assert [s.capacity for s in tuner.shadows] == [1_000] * len(tuner.shadows)
+    for i in range(25):  # to-B holds 200 pages (in use), within its 300-page share
+        pool.admit(f"b{i}", block_hashes=[50_000 + 8 * i + j for j in range(8)], num_tokens=8 * 16,
+                   meta=WorkloadMeta(workload_class=TO_B))
+    to_c(1)
+    assert [s.capacity for s in tuner.shadows] == [800] * len(tuner.shadows)
+    for i in range(25):  # computed and released, its pages stay cached: to-C still cannot take them
+        pool.commit(f"b{i}", 8 * 16)
+        pool.release(f"b{i}")
+    to_c(2)
+    assert tuner.shadows[0].capacity == 800
+    pool.check_invariants()
 
 
 @pytest.mark.parametrize(("change", "field"), [

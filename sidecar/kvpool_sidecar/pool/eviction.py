@@ -79,6 +79,12 @@ class Eviction:
         eviction per page."""
         return max(self._owned[part] - self._caps[part], 0)
 
+    def _reach(self, part: int) -> int:
+        """The pages ``part`` can hold now: its limit, less what the other partition holds within its
+        own share (pages past that share come back to ``part`` one eviction each)."""
+        other = 1 - part
+        return min(self._limits[part], self.total_pages - min(self._owned[other], self._caps[other]))
+
     def _allocate(self, part: int, count: int, now: float) -> list[int]:
         """Hand out ``count`` pages to ``part``; the caller checked :meth:`_obtainable` first.
 

@@ -71,6 +71,7 @@ class PageFrequencies:
         curve = self._curves[part]
         curve.observe(before, sketch.halvings)
         if tuner is not None:
+            tuner.follow(self._reach(part))
             window = self._windows.get(workload_class, self._windows[TO_C])
             if tuner.observe(keys, before, sampled, curve.p, window, now):
                 self._policies[part].set_reuse_weight(tuner.weight)

@@ -96,14 +96,14 @@ class ShadowCache:
     """
 
     def __init__(self, capacity: int, weight: float, compiled: bool | None = None) -> None:
-        self.capacity = max(capacity, 1)
+        self._capacity = max(capacity, 1)
         self.weight = weight
         # The compiled twin of replay and _evict (_shadow.c), where it was built; this class's own
         # loops are its reference (compiled=False runs them).
         compiled = COMPILED if compiled is None else compiled
         if compiled and _ShadowCore is None:
             raise RuntimeError("kvpool_sidecar._shadow was not built: only compiled=False can run here")
-        self._core = _ShadowCore(self.capacity, weight) if compiled else None
+        self._core = _ShadowCore(self._capacity, weight) if compiled else None
         self._queue_of: dict[Hashable, OrderedDict[Hashable, float]] = {}  # cached key -> its queue
         self._queues: dict[tuple[float, int], OrderedDict[Hashable, float]] = {}  # (scale, count) -> key -> touched
         # (a lower bound of a queue's head rank, a serial, the queue, the head it was made for)
@@ -114,6 +114,17 @@ class ShadowCache:
         self.interval_hits = 0.0  # sampled pages hit since the tuner's last decision
         self.lead = 0.0  # the tuner's decayed sum of this shadow's per-interval lead over the one in force
         self.lead_squares = 0.0  # and of their squares
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, keys: int) -> None:
+        """Keys kept from the next replay on (a smaller capacity drops the lowest then)."""
+        self._capacity = max(keys, 1)
+        if self._core is not None:
+            self._core.capacity = self._capacity
 
     # hot loop: every sampled page, once per candidate
     def replay(self, prompts: Sequence[SampledPrompt], p: Sequence[float]) -> None:
@@ -159,7 +170,7 @@ class ShadowCache:
                 queue[key] = now
                 queue_of[key] = queue
         self.score, self.interval_hits, self._serial = score, interval, serial
-        over = len(queue_of) - self.capacity
+        over = len(queue_of) - self._capacity
         if over > 0:
             self._evict(over, p)
 
@@ -266,6 +277,15 @@ class SelfTuner:
         self._batch: list[SampledPrompt] = []
         self._batched = 0
         self._batch_pages = max(self.shadows[0].capacity // 64, 1)
+
+    def follow(self, pages: int) -> None:
+        """The partition can hold ``pages`` now (to-C: the pool less what to-B holds): the shadows
+        keep that share of it, so that they compare the weights at the cache size the live policy
+        really has (a shadow of the whole pool while to-B holds its share favoured long credits)."""
+        keys = max(pages >> self.sample_shift, 1)
+        if keys != self.shadows[0].capacity:
+            for shadow in self.shadows:
+                shadow.capacity = keys
 
     def flush(self, p: Sequence[float]) -> None:
         """Replay the batched prompts into every shadow."""
