@@ -49,11 +49,11 @@ def two_segments(profile: str, requests: int, gap_scale: float) -> tuple[Trace, 
 
 def drift_reports(trace: Trace, capacity: float) -> list[DriftEvent]:
     pages, _ = capacity_pages(trace, capacity)
-    spec = replay_spec("workload_aware", trace.block_size, None, single_class=True)
+    spec = replay_spec("workload_adaptive", trace.block_size, None, single_class=True)
     pool = PagePool(pages, spec, clock=lambda: 0.0)
     events: list[DriftEvent] = []
     pool.model.on_drift = events.append
-    replay_pool(trace, "workload_aware", capacity, pool=pool)
+    replay_pool(trace, "workload_adaptive", capacity, pool=pool)
     return events
 
 

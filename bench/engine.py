@@ -117,7 +117,7 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
     sidecar_url = None
     bindir = Path(sys.executable).parent
     if system.startswith("kvpool"):
-        policy = "lru" if system == "kvpool-lru" else "workload_aware"
+        policy = "lru" if system == "kvpool-lru" else "workload_adaptive"
         (work / "config.yaml").write_text(yaml.safe_dump(kvpool_config(
             policy, args.speedup, json.loads(args.kvpool_config), args.setup == "reference")))
         port = free_port()

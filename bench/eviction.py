@@ -3,9 +3,8 @@
     .venv/bin/python bench/eviction.py [--pages 1000000] [--evictions 20000]
 
 The pool is filled with cached chat prefixes of several classes (chains of 64 pages released over
-ten minutes of simulated time), and its ghost of evicted keys (workload-aware policies) up to its
-cap; then fresh prompts are admitted through the pool's own eviction path (the
-policy's choice plus the pool's bookkeeping, forgetting an old key per evicted page); each
+ten minutes of simulated time); then fresh prompts are admitted through the pool's own eviction
+path (the policy's choice plus the pool's bookkeeping); each
 admission is timed on its own. Each policy's evictions come in rounds alternating with those of an
 LRU pool filled alike, and ``x LRU`` is the median of the rounds' ratios: on a shared machine the
 medians of two runs a minute apart differ by up to 1.5x, the ratio of alternating rounds holds.
@@ -24,7 +23,7 @@ import time
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies import POLICIES
-from kvpool_sidecar.pool import GHOST_SAMPLE, PagePool, WorkloadMeta
+from kvpool_sidecar.pool import PagePool, WorkloadMeta
 
 CHAIN = 64
 FILL_SECONDS = 600.0  # the fill's span: one to-C window
@@ -53,16 +52,7 @@ def filled_pool(policy: str, pages: int, seed: int = 0) -> tuple[PagePool, float
         if s % 50 == 0:  # some reuse, so that the fits and frequencies have something to learn
             pool.admit("hit", block_hashes=list(range(s * CHAIN, s * CHAIN + 8)), meta=meta, now=now)
             pool.release("hit", now=now)
-    # A pool that has run a while has a ghost of evicted keys (policies that learn from late reuses)
-    # as its pace fills it: the sampled keys of the pages evicted within the ghost's horizon (one pool
-    # per FILL_SECONDS), released evenly over it; evictions then also forget keys as they age out.
     step = FILL_SECONDS / chains  # the fill's pace: seconds per admitted chain
-    if pool._ghost_cap:
-        klass = pool.class_of(WorkloadMeta())
-        horizon = pool._ghost_horizon
-        keys = min(pool._ghost_cap, int(pages * horizon / FILL_SECONDS) // GHOST_SAMPLE)
-        for i in range(keys):
-            pool._ghost[("forgotten", i)] = (klass, now - horizon + horizon * i / keys)
     return pool, now, step
 
 
@@ -107,7 +97,7 @@ def main() -> None:
     parser.add_argument("--alone", action="store_true", help="no LRU rounds beside the policy's (instruction counts)")
     args = parser.parse_args()
     policies = args.policy or [
-        "lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact", "workload_adaptive"
+        "lru", "fifo", "lfu", "s3fifo", "workload_adaptive"
     ]
     print(f"{'policy':<22}{'median us':>10}{'p99 us':>10}{'mean us':>10}{'x LRU':>8}   ({args.pages} pages; "
           f"x LRU: the median of {ROUNDS} rounds' ratios, each policy's rounds alternating with LRU's)")
@@ -119,7 +109,7 @@ def main() -> None:
             del pool
             gc.collect()
             continue
-        count = args.evictions if name != "workload_aware_exact" else min(args.evictions, 4000)
+        count = args.evictions
         pair = {policy: list(filled_pool(policy, args.pages))
                 for policy in dict.fromkeys([name] if args.alone else ["lru", name])}
         samples: dict[str, list[float]] = {policy: [] for policy in pair}

@@ -28,7 +28,7 @@ from worktrees import checked_out
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {
     "pool_ops": (["bench/pool_ops.py", "--capacity", "0.05", "--memory-pages", "0", "--repeat"], "1", "0"),
-    "eviction": (["bench/eviction.py", "--policy", "workload_aware", "--alone", "--pages", "200000", "--evictions"],
+    "eviction": (["bench/eviction.py", "--policy", "workload_adaptive", "--alone", "--pages", "200000", "--evictions"],
                  "20000", "0"),
 }
 

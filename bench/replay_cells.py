@@ -27,7 +27,7 @@ from worktrees import checked_out
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
-POLICIES = ("lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact")
+POLICIES = ("lru", "fifo", "lfu", "s3fifo", "workload_adaptive")
 CAPACITIES = ("0.01", "0.02", "0.05", "0.2")
 PROFILES = ("to-c", "to-b", "mixed")
 FIELDS = ("token_hit_ratio", "block_hit_ratio", "evictions", "per_class")

@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--policy", default="workload_aware")
+    parser.add_argument("--policy", default="workload_adaptive")
     parser.add_argument("--batch", type=int, default=1,
                         help="sequences per call: 1 = one call per operation, N = /v1/batch per scheduling step")
     parser.add_argument("--pages", type=int, default=9139, help="pool pages (default: 5%% of the trace's blocks)")

@@ -1,5 +1,5 @@
 /* The frequency sketch's per-key loop, compiled: what kvpool_sidecar.frequency._count_python does,
- * bit for bit (tests/sidecar/test_frequency.py compares the two on the same keys and cells).
+ * bit for bit (tests/sidecar/test_adaptive.py compares the two on the same keys and cells).
  *
  * Why in C: the loop runs for every page of every admitted prompt, and in Python its 64-bit mixing
  * is arbitrary-precision arithmetic: about 1.4 us a key, the largest single cost of a chat replay

@@ -150,22 +150,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    trace = read_trace(args.trace)
-    spec = _spec(args.config)
-    if (args.policy or spec.eviction.policy) == "workload_adaptive":
-        return _tune_adaptive(trace, args.capacity, spec)
-    print(f"{'reuse':>6}{'locality':>9}{'window':>8}{'token hit':>11}")
-
-    def show(row: tune.TuneRow) -> None:
-        print(f"{row.reuse:>6.2f}{row.locality:>9.2f}{row.timeWindow:>8.2f}{row.token_hit_ratio:>11.4f}", flush=True)
-
-    rows = tune.grid_search(trace, args.capacity, spec, on_row=show)
-    best = rows[0]
-    print(
-        f"best at capacity {args.capacity}: weights reuse={best.reuse} locality={best.locality} "
-        f"timeWindow={best.timeWindow} (token hit ratio {best.token_hit_ratio:.4f})"
-    )
-    return 0
+    return _tune_adaptive(read_trace(args.trace), args.capacity, _spec(args.config))
 
 
 def _tune_adaptive(trace: Trace, capacity: float, spec: KVCachePolicySpec) -> int:
@@ -295,10 +280,8 @@ def _add_plan(sub: Any) -> None:
 
 
 def _add_tune(sub: Any) -> None:
-    tun = sub.add_parser("tune", help="offline tuning: the weights' grid, or self-tuning's candidates and choice")
+    tun = sub.add_parser("tune", help="offline tuning: each candidate reuse weight fixed, and self-tuning's choice")
     tun.add_argument("trace")
-    tun.add_argument("--policy", choices=("workload_aware", "workload_adaptive"),
-                     help="the policy to tune (default: the config's)")
     tun.add_argument("--capacity", type=_capacity, default=0.05)
     tun.add_argument("--config", help="base sidecar config / policy spec YAML")
     tun.set_defaults(func=cmd_tune)

@@ -20,7 +20,7 @@ API_VERSION = "v1alpha1"
 KIND = "KVCachePolicy"
 
 EvictionPolicyName = Literal[
-    "lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_aware_exact", "workload_adaptive"
+    "lru", "fifo", "lfu", "s3fifo", "workload_adaptive"
 ]
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
@@ -202,11 +202,6 @@ class Eviction(_Model):
     policy: EvictionPolicyName = "workload_adaptive"
     weights: Weights = Field(default_factory=Weights)
     selfTuning: SelfTuning = Field(default_factory=SelfTuning)
-    protectedPercent: float = Field(
-        default=20, ge=0, le=90,
-        description="workload_aware only: share of cached pages with the highest value, evicted last "
-                    "(workload_adaptive has none: it credits each page by its count instead)",
-    )
 
 
 class ToCWorkload(_Model):

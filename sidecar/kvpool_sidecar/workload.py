@@ -1,21 +1,11 @@
-"""Reuse statistics per workload class: an online exponential reuse-time model with a never-reused mass.
+"""Reuse statistics per workload class: how often a released page is reused, and how soon.
 
-A page released at time 0 is reused at some later time with probability ``p`` (the rest are never
-reused: a single-turn chat, a one-off API call) and, if it is, after an exponential gap of rate
-``lam``. A pure exponential model says every page is reused eventually; the mass ``1 - p`` is what
-makes an old page worthless rather than merely "due". Given that a page has waited ``age`` seconds
-without reuse, the probability that it is reused within the next ``window`` seconds is
-
-    P = p * exp(-lam * age) * (1 - exp(-lam * window)) / (p * exp(-lam * age) + 1 - p)
-
-Both parameters are fitted online per class from decayed counters (so the fit follows a drifting
-workload) and shrunk towards the configured priors until ``minSamples`` reuses have been seen.
-The pool reports reuses (with their gaps) and, where it keeps a ghost of evicted keys, the pages it
-forgot unreused after so many seconds: censored observations, taken in by EM (:func:`_em_step`).
-Without them a small cache, which sees only the short gaps, would fit a fast decay to every class.
-A pool that reports every page's way out (reused, or forgotten by its ghost) also lets the model count
-the pages still waiting (``track_at_risk``): censored at their current age, so that a ghost that
-watches pages for a whole window does not make every class look always reused meanwhile.
+A page released at time 0 is reused later with probability ``p`` (the rest are never reused: a
+single-turn chat, a one-off API call) and, if it is, after a gap of mean ``1 / rate``. Both are
+estimated per class from decayed counters (so they follow a drifting workload), shrunk towards the
+configured priors until ``minSamples`` reuses have been seen, and a class's rate is watched for
+drift against the rate it settled at. They feed metrics and drift events; no policy ranks by them
+(the default ranks by page counts, :mod:`kvpool_sidecar.frequency`).
 Plain Python: no I/O, no clock of its own.
 """
 
@@ -50,13 +40,6 @@ class ClassFit:
     releases: float = 0.0  # page releases (each could be followed by a reuse)
     reuses: float = 0.0  # page reuses observed
     gap_sum: float = 0.0  # seconds between a page's release and its reuse, summed
-    censored: float = 0.0  # pages forgotten unreused (their ghost key dropped): censored observations
-    exposure: float = 0.0  # seconds those pages were watched for a reuse, summed
-    em: tuple[float, float] | None = None  # the last (p, rate) of the censored fit: its next start
-    # The pages released and not yet resolved (neither reused nor forgotten): cached or remembered by
-    # the ghost. Not decayed: the set as it is now. Censored at their current age in the fit.
-    at_risk: float = 0.0
-    at_risk_released: float = 0.0  # their release times, summed
     total_reuses: int = 0  # undecayed, for cold start and drift checks
     updated_at: float = 0.0
     reference_rate: float | None = None
@@ -93,9 +76,6 @@ class ReuseModel:
         self.drift_events: list[DriftEvent] = []
         self.on_drift: Callable[[DriftEvent], None] | None = None
         self.on_reuse: Callable[[StatsClass, int, float], None] | None = None  # (class, pages, summed gaps)
-        # Set by a pool that reports every page's way out (reused, or forgotten by its ghost): the
-        # fit then counts the pages still waiting as censored at their age (see _em_step).
-        self.track_at_risk = False
         self.configure(spec)
 
     def configure(self, spec: KVCachePolicySpec) -> None:
@@ -138,8 +118,6 @@ class ReuseModel:
             fit.releases *= d
             fit.reuses *= d
             fit.gap_sum *= d
-            fit.censored *= d
-            fit.exposure *= d
             fit.updated_at = now
 
     def observe_release(self, klass: StatsClass, pages: int, now: float) -> None:
@@ -149,49 +127,6 @@ class ReuseModel:
             if fit.first_release_at is None:
                 fit.first_release_at = now
             fit.releases += pages
-            if self.track_at_risk:
-                fit.at_risk += pages
-                fit.at_risk_released += pages * now
-
-    def reset_at_risk(self) -> None:
-        """Forget the pages waiting: whoever would have reported their outcome no longer will."""
-        for fit in self._fits.values():
-            fit.at_risk = fit.at_risk_released = 0.0
-
-    @staticmethod
-    def _leave_risk(fit: ClassFit, pages: float, released_sum: float) -> None:
-        fit.at_risk -= pages
-        fit.at_risk_released -= released_sum
-        if fit.at_risk <= 0.0:  # sampled reports overshoot a little: the set is empty, not negative
-            fit.at_risk = fit.at_risk_released = 0.0
-
-    def observe_censored(self, klass: StatsClass, pages: float, exposure: float, now: float) -> None:
-        """``pages`` released pages were watched for ``exposure`` seconds in all and not reused.
-
-        Moves the censored fit one EM step (the workload class's first: a class shrinks towards it),
-        so that the fit depends on the observations alone, not on how often it is read.
-        """
-        own, parent = self._pairs.get(klass) or self._fit_pair(klass)
-        fits = _em_order(own, parent)
-        for fit in fits:
-            if now > fit.updated_at:
-                self._age(fit, now)
-            fit.censored += pages
-            fit.exposure += exposure
-            if self.track_at_risk:
-                self._leave_risk(fit, pages, pages * now - exposure)
-        self._em(fits, parent, now)
-
-    def _em(self, fits: tuple[ClassFit, ...], parent: ClassFit, now: float) -> None:
-        k = float(self.min_samples)
-        for fit in fits:
-            if fit is parent:
-                prior_p, prior_rate = PRIOR_REUSE_PROBABILITY, self._prior_for(fit.klass)
-            else:
-                prior_p, prior_rate, _ = self.params(parent.klass)
-            if fit.censored + fit.at_risk <= 0.0:
-                continue  # nothing seen unreused yet: the plain estimate stands
-            fit.em = _em_step(fit, k, prior_p, prior_rate, now)
 
     def observe_reuse(self, klass: StatsClass, pages: int, gap_sum: float, now: float) -> None:
         """``pages`` cached pages were reused; ``gap_sum`` is their summed time since last release."""
@@ -206,8 +141,6 @@ class ReuseModel:
                 self._age(fit, now)
             fit.reuses += pages
             fit.gap_sum += gap
-            if self.track_at_risk:
-                self._leave_risk(fit, pages, pages * now - gap)
             fit.total_reuses += pages
             fit.since_check += pages
             if fit.first_reuse_at is None:
@@ -217,9 +150,6 @@ class ReuseModel:
             ):
                 fit.since_check = 0
                 self._check_drift(fit, now)
-        if self.track_at_risk:  # every report moves the fit one step (the pages waiting are known)
-            own, parent = pair
-            self._em(_em_order(own, parent), parent, now)
 
     # --------------------------------------------------------------------------------- the fit
     def rate(self, klass: StatsClass) -> float:
@@ -246,19 +176,9 @@ class ReuseModel:
         fit = self._fits.get(klass)
         if fit is None:
             return prior_p, prior_rate, window
-        if fit.em is not None:
-            p, lam = fit.em
-            return p, lam, window
         k = float(self.min_samples)
         p = (fit.reuses + k * prior_p) / (fit.releases + k)
         return min(max(p, _MIN_P), _MAX_P), (fit.reuses + k) / (fit.gap_sum + k / prior_rate), window
-
-    def p_reuse(self, klass: StatsClass, age: float, window: float | None = None) -> float:
-        """P(reused within the next ``window`` | not reused for ``age`` seconds)."""
-        p, lam, w = self.params(klass)
-        if window is not None:
-            w = window
-        return p_reuse(p, lam, age, reuse_within(lam, w))
 
     def classes(self) -> dict[StatsClass, tuple[float, float, int]]:
         """Per class (and per workload class): fitted rate (per minute), reuse probability, reuses seen."""
@@ -287,23 +207,6 @@ class ReuseModel:
             del self.drift_events[:-100]
             if self.on_drift is not None:
                 self.on_drift(event)
-
-
-def _em_order(own: ClassFit, parent: ClassFit) -> tuple[ClassFit, ...]:
-    """The fits one observation moves, the workload class's first: a class shrinks towards it."""
-    return (parent, own) if own is not parent else (own,)
-
-
-def reuse_within(lam: float, window: float) -> float:
-    """P(a gap shorter than ``window``) at rate ``lam``: the age-free factor of :func:`p_reuse`."""
-    return 1.0 - math.exp(-lam * window)
-
-
-def p_reuse(p: float, lam: float, age: float, within: float) -> float:
-    """The conditional reuse probability of the module docstring, for one page (``within``:
-    :func:`reuse_within` of its class's rate and window, computed once per class)."""
-    survive = p * math.exp(-lam * age)
-    return survive * within / (survive + 1.0 - p)
 
 
 class DecayedCounter:
@@ -348,35 +251,3 @@ class DecayedCounter:
 
     def __len__(self) -> int:
         return len(self._value)
-
-
-def _em_step(fit: ClassFit, k: float, prior_p: float, prior_rate: float, now: float) -> tuple[float, float]:
-    """One EM step of the (p, rate) fit with censored observations, shrunk by ``k`` pseudo-reuses.
-
-    A page forgotten after ``c`` seconds unreused is either never reused or reused later than ``c``;
-    the E step splits those two (expected share ``w`` of the late ones), the M step counts the
-    watched time of the late ones as exposure. Where the cache forgets pages long before their reuses
-    come (to-C chats at 1 %: pages are watched for tens of seconds, turns come minutes apart), the
-    gaps seen cannot show a decay, and the fit moves towards "likely reused, at the rate observed per
-    watched second" instead of a fast decay fitted to truncated gaps (the plain estimate, reuses over
-    summed gaps, takes every gap it sees for a whole gap).
-
-    The pages released and not resolved yet (``fit.at_risk``: cached unreused, or still in the
-    ghost) are censored at their age at ``now`` too. Without them a ghost that watches pages for a
-    whole window reports its reuses minutes before it reports a single page forgotten, and the fit
-    takes every class for one that is always reused.
-    """
-    reuses, gaps = fit.reuses, fit.gap_sum
-    censored = fit.censored + fit.at_risk
-    waited = max(fit.at_risk * now - fit.at_risk_released, 0.0)
-    watched = (fit.exposure + waited) / censored
-    if fit.em is None:  # start from the plain estimate
-        p = (reuses + k * prior_p) / (reuses + censored + k)
-        lam = (reuses + k) / (gaps + k / prior_rate)
-    else:
-        p, lam = fit.em
-    late = p * math.exp(-lam * watched)
-    w = late / (1.0 - p + late)
-    p = min(max((reuses + censored * w + k * prior_p) / (reuses + censored + k), _MIN_P), _MAX_P)
-    lam = (reuses + k) / (gaps + censored * w * watched + k / prior_rate)
-    return p, lam

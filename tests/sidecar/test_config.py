@@ -19,9 +19,8 @@ spec:
   selector: {matchLabels: {app: qwen-chat}}
   pageSize: 16
   eviction:
-    policy: workload_aware
+    policy: workload_adaptive
     weights: {reuse: 0.6, locality: 0.3, timeWindow: 0.1}
-    protectedPercent: 20
   workloads:
     toC: {timeWindow: 10m, decayPerMinute: 0.15}
     toB: {timeWindow: 10s, decayPerMinute: 6.0, isolationPercent: 30}
@@ -54,10 +53,9 @@ def test_issue_example_policy_loads_and_equals_defaults():
     meta, spec = load_policy(ISSUE_EXAMPLE)
     assert meta["name"] == "chat"
     assert spec.selector.matchLabels == {"app": "qwen-chat"}
-    # The defaults but the policy: the self-tuned one became the default (issue 19), the example names
-    # the one it was written for.
-    assert spec_hash(spec) == spec_hash(KVCachePolicySpec(selector={"matchLabels": {"app": "qwen-chat"}},
-                                                          eviction={"policy": "workload_aware"}))
+    # The issue's example named the seed's score (`workload_aware`, its protected set); the default
+    # policy is that score in its time-invariant form, so the example now names it and equals the defaults.
+    assert spec_hash(spec) == spec_hash(KVCachePolicySpec(selector={"matchLabels": {"app": "qwen-chat"}}))
     assert KVCachePolicySpec().eviction.policy == "workload_adaptive"
 
 
@@ -74,7 +72,8 @@ def test_empty_config_means_defaults(text, tmp_path: Path):
         ("eviction: {weights: {reuse: 1.5}}", "eviction.weights.reuse", "less than or equal to 1"),
         ("eviction: {weights: {reuse: 0, locality: 0, timeWindow: 0}}", "eviction.weights", "above 0"),
         ("eviction: {policy: random}", "eviction.policy", "lru"),
-        ("eviction: {protectedPercent: 95}", "eviction.protectedPercent", "less than or equal to 90"),
+        ("eviction: {policy: workload_aware}", "eviction.policy", "workload_adaptive"),
+        ("eviction: {protectedPercent: 20}", "eviction.protectedPercent", "unknown field"),
         ("pageSize: 0", "pageSize", "greater than or equal to 1"),
         ("pageSize: sixteen", "pageSize", "integer"),
         ("workloads: {toC: {timeWindow: 10 minutes}}", "workloads.toC.timeWindow", "pattern"),

@@ -8,7 +8,6 @@ import pytest
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.policies import LRUPolicy
 from kvpool_sidecar.pool import (
-    GHOST_SAMPLE,
     TO_B,
     TO_C,
     DuplicateSequence,
@@ -439,51 +438,7 @@ def test_class_by_chooses_what_splits_the_reuse_statistics():
     assert classes_after([]) == {("toC", "", 0)}
 
 
-def test_evicted_keys_seen_again_are_reuses_and_forgotten_ones_are_censored_observations():
-    """The reuse model hears of every released page's outcome: reused (in cache, or late: its key
-    still in the ghost of evicted keys) or forgotten unreused once its key is older than the longest
-    class window; until then it is waiting (at risk). The ghost keeps one evicted key in GHOST_SAMPLE,
-    each standing for GHOST_SAMPLE pages, and at most one key per pool page."""
-    pool = make_pool(64, eviction={"policy": "workload_aware"}, workloads={"toB": {"isolationPercent": 0}})
-    meta = WorkloadMeta()
-    klass = pool.class_of(meta)
-
-    def one_page_prompts(first: int, count: int, start: float) -> None:  # never reused, one every 10 ms
-        for i in range(first, first + count):
-            now = start + (i - first) / 100
-            pool.admit(f"s{i}", block_hashes=[i], meta=meta, now=now)
-            pool.commit(f"s{i}", PS)
-            pool.release(f"s{i}", now=now)
-
-    one_page_prompts(0, 600, 0.0)
-    fit = pool.model._fits[klass]
-    # 536 evicted within 6 s, their keys all younger than the 10-minute window: nothing forgotten yet,
-    # every page still waiting (64 cached, the evicted ones through their sampled keys).
-    assert fit.reuses == 0 and fit.censored == 0
-    assert fit.at_risk == pytest.approx(600, rel=0.3)
-    remembered = [i for i in range(500, 536) if pool._keys(None, [i], PS, meta)[0][0] in pool._ghost]
-    assert remembered  # one in GHOST_SAMPLE, by hash
-    pool.admit("late", block_hashes=[remembered[-1]], meta=meta, now=10.0)
-    assert pool.ghost_hits == GHOST_SAMPLE
-    assert pool.model._fits[klass].total_reuses == GHOST_SAMPLE
-    pool.commit("late", PS)
-    pool.release("late", now=10.0)
-    # Eleven minutes on, the next eviction forgets the keys older than the window: censored
-    # observations, each watched for about 700 s.
-    one_page_prompts(600, 1, 700.0)
-    assert fit.censored == pytest.approx(536 - GHOST_SAMPLE, rel=0.35)
-    assert fit.exposure / fit.censored == pytest.approx(697, rel=0.02)
-    assert fit.at_risk == pytest.approx(65, rel=0.3)
-    # Memory: however fast pages are evicted, the ghost holds at most one key per pool page.
-    one_page_prompts(1000, 3000, 800.0)
-    assert len(pool._ghost) == 64
-    pool.check_invariants()
-    # A policy without the model drops the ghost, and with it the pages it would have reported.
-    pool.reconfigure(KVCachePolicySpec.model_validate({"pageSize": PS, "eviction": {"policy": "lru"}}))
-    assert not pool._ghost and fit.at_risk == 0
-
-
-@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "s3fifo", "workload_aware"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "s3fifo", "workload_adaptive"])
 def test_a_partition_under_its_new_share_takes_its_own_victims_when_the_other_has_none(policy: str):
     """Found by the stateful test's live reconfiguration: after to-B's share is cut below what it holds,
     a to-C request that finds no free page, and to-B's pages all in use, evicts its own pages; it used

@@ -110,7 +110,7 @@ class PoolMachine(RuleBasedStateMachine):
             "preEviction": {"enabled": True, "lowWatermarkPercent": 30},
         })
 
-    @rule(policy=st.sampled_from(["lru", "fifo", "lfu", "s3fifo", "workload_aware", "workload_adaptive"]),
+    @rule(policy=st.sampled_from(["lru", "fifo", "lfu", "s3fifo", "workload_adaptive"]),
           to_b=st.integers(0, 50),
           quota=st.integers(0, 30), auto_pin=st.booleans())
     def reconfigure(self, policy: str, to_b: int, quota: int, auto_pin: bool) -> None:
@@ -307,17 +307,10 @@ class RoomyPool(PoolMachine):
     pages = 2000
 
 
-class TightWorkloadAwarePool(PoolMachine):
-    """The workload-aware policy names victims in bulk and passes over pages with cached descendants."""
-
-    pages = 20  # full most of the time: the three base prompts alone publish more than that
-    policy = "workload_aware"
-
-
 class TightAdaptivePool(PoolMachine):
     """The self-tuned policy: queues by count, prefix-closed, named in bulk."""
 
-    pages = 20
+    pages = 20  # full most of the time: the three base prompts alone publish more than that
     policy = "workload_adaptive"
 
 
@@ -338,10 +331,6 @@ TestTightPool.settings = settings(
 TestRoomyPool = RoomyPool.TestCase
 TestRoomyPool.settings = settings(
     max_examples=20, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
-)
-TestTightWorkloadAwarePool = TightWorkloadAwarePool.TestCase
-TestTightWorkloadAwarePool.settings = settings(
-    max_examples=25, stateful_step_count=50, deadline=None, suppress_health_check=list(HealthCheck)
 )
 for machine in (TightShuffledPool, TightShuffledRestoredPool, TightAdaptivePool):
     machine.TestCase.settings = settings(

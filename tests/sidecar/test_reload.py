@@ -10,7 +10,8 @@ import yaml
 from kvpool_sidecar.client import SidecarClient
 from support import kubelet_projection, live_sidecar
 
-BASE = {"pageSize": 4, "eviction": {"policy": "workload_aware"}, "pinning": {"autoPin": {"enabled": False}}}
+BASE = {"pageSize": 4, "eviction": {"policy": "workload_adaptive", "selfTuning": {"enabled": False}},
+        "pinning": {"autoPin": {"enabled": False}}}  # weights as given: a reload's new weights are what rank
 
 
 def with_weights(reuse: float, locality: float = 0.3) -> dict:
@@ -50,7 +51,7 @@ def test_rewritten_file_is_applied_in_place(tmp_path):
         assert took < 2.0
         assert c.stats()["cached_pages"] == cached  # nothing flushed
         assert c.lookup([1, 2, 3, 4] + [100] * 8) == 12
-        assert sidecar.pool.policies[0].alpha == 0.9  # the live policy took the new weight
+        assert sidecar.pool.policies[0].weights == (0.9, 0.05)  # the live policy took the new weights
         assert c.config()["reloads"]["applied"] == 1
 
 

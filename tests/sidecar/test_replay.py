@@ -92,7 +92,7 @@ def test_references_bound_the_online_policies():
     infinite = replay_reference(trace, "infinite", 1.0).token_hit_ratio
     belady = replay_reference(trace, "belady", 0.02).token_hit_ratio
     lru = replay_pool(trace, "lru", 0.02).token_hit_ratio
-    aware = replay_pool(trace, "workload_aware", 0.02).token_hit_ratio
+    aware = replay_pool(trace, "workload_adaptive", 0.02).token_hit_ratio
     assert abs(infinite - 0.373) < 0.001
     assert lru < aware < belady <= infinite
 
@@ -148,15 +148,10 @@ def test_synth_is_deterministic_and_calibrated(profile, target, tmp_path):
         assert all(r.meta.workload_class == "toB" and r.meta.turn == 0 for r in trace.requests)
 
 
-def test_cli_synth_and_tune(tmp_path, capsys):
+def test_cli_synth_writes_the_requests_asked_for(tmp_path):
     path = tmp_path / "b.jsonl"
     assert main(["synth", "--profile", "to-b", "--requests", "200", "--seed", "1", "-o", str(path)]) == 0
-    assert len(path.read_text().splitlines()) == 200
-    from kvpool_sidecar.replay import tune
-
-    grid = {"reuse": (0.5, 1.0), "locality": (0.0,), "timeWindow": (0.1,)}
-    rows = tune.grid_search(read_trace(path), 0.05, grid=grid)
-    assert len(rows) == 2 and rows[0].token_hit_ratio >= rows[1].token_hit_ratio
+    assert len(read_trace(path).requests) == 200
 
 
 def test_engine_prompts_share_tokens_exactly_where_the_trace_shares_ids():

@@ -19,7 +19,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 CONFIG = SidecarConfig.model_validate(
-    {"pageSize": 4, "eviction": {"policy": "workload_aware"}, "pinning": {"autoPin": {"enabled": False}}}
+    {"pageSize": 4, "eviction": {"policy": "workload_adaptive"}, "pinning": {"autoPin": {"enabled": False}}}
 )
 SIDECAR = Sidecar(CONFIG, 512)
 APP = create_app(SIDECAR)

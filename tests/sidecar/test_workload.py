@@ -6,9 +6,8 @@ import heapq
 import math
 import random
 
-import pytest
 from kvpool_sidecar.config import KVCachePolicySpec
-from kvpool_sidecar.workload import PRIOR_REUSE_PROBABILITY, ReuseModel, p_reuse, reuse_within
+from kvpool_sidecar.workload import PRIOR_REUSE_PROBABILITY, ReuseModel
 
 CHAT = ("toC", "text", 0)
 API = ("toB", "api", 0)
@@ -45,100 +44,6 @@ def test_fit_recovers_rate_and_reuse_probability():
     feed(model, CHAT, rate_per_s=1 / 120, p=0.3, pages=20_000, start=0.0, rng=random.Random(1))
     assert abs(model.rate(CHAT) * 120 - 1) < 0.1
     assert abs(model.reuse_probability(CHAT) - 0.3) < 0.03
-
-
-def watch(model: ReuseModel, klass, rate_per_s: float, p: float, horizon: float, pages: int, seed: int) -> None:
-    """Like :func:`feed`, but a reuse is seen only within ``horizon`` seconds of the release (the time
-    a page stays cached or remembered by the ghost); the others are reported as censored."""
-    rng = random.Random(seed)
-    now = 0.0
-    for _ in range(pages):
-        now += 1.0
-        model.observe_release(klass, 1, now)
-        gap = rng.expovariate(rate_per_s) if rng.random() < p else math.inf
-        if gap < horizon:
-            model.observe_reuse(klass, 1, gap, now)
-        else:
-            model.observe_censored(klass, 1, horizon, now)
-
-
-def test_censored_fit_recovers_rate_and_reuse_probability_when_pages_are_watched_long():
-    model = ReuseModel(fit_spec())
-    watch(model, CHAT, rate_per_s=1 / 120, p=0.3, horizon=3000, pages=20_000, seed=1)
-    assert abs(model.rate(CHAT) * 120 - 1) < 0.1
-    assert abs(model.reuse_probability(CHAT) - 0.3) < 0.03
-
-
-def test_pages_forgotten_before_their_reuse_do_not_make_a_slow_class_look_fast_or_worthless():
-    """Chats reused after minutes in a cache that remembers a page for 20 s: the gaps seen are all
-    short. Taken as whole gaps they fit a fast decay and a tiny reuse probability; with the forgotten
-    pages counted as censored, the reuses per watched second (what eviction weighs) stay close to the
-    truth, and so does the order of two classes that differ in how often they come back."""
-    truth = {CHAT: 0.8, ("toC", "text", 1): 0.2}
-    censored, plain = ReuseModel(fit_spec()), ReuseModel(fit_spec())
-    for seed, (klass, p) in enumerate(truth.items()):
-        watch(censored, klass, rate_per_s=1 / 400, p=p, horizon=20, pages=20_000, seed=seed)
-        feed_seen = random.Random(seed)  # the same pages, without the censored reports
-        now = 0.0
-        for _ in range(20_000):
-            now += 1.0
-            plain.observe_release(klass, 1, now)
-            gap = feed_seen.expovariate(1 / 400) if feed_seen.random() < p else math.inf
-            if gap < 20:
-                plain.observe_reuse(klass, 1, gap, now)
-    for klass, p in truth.items():
-        hazard = p / 400  # reuses per second of a page just released
-        fitted_p, fitted_rate, _ = censored.params(klass)
-        assert 0.5 < fitted_p * fitted_rate / hazard < 2
-        plain_p, plain_rate, _ = plain.params(klass)
-        assert plain_p * plain_rate / hazard < 0.3
-    high, low = (censored.p_reuse(klass, 10.0) for klass in truth)
-    assert high > 1.8 * low  # the truth: 4x; the window-wide probability saturates
-
-
-def replay_events(model: ReuseModel, p: float, rate_per_s: float, horizon: float, until: float) -> None:
-    """Pages released one per second until ``until``, reported as a pool with a ghost that watches them
-    for ``horizon`` seconds reports them: a reuse when it happens, a forgotten page ``horizon`` after
-    its release; pages still waiting at ``until`` are not reported yet."""
-    rng = random.Random(7)
-    events: list[tuple[float, int, float]] = []  # (when, 0 release / 1 reuse / 2 forgotten, release time)
-    t = 0.0
-    while t < until:
-        events.append((t, 0, t))
-        gap = rng.expovariate(rate_per_s) if rng.random() < p else math.inf
-        events.append((t + gap, 1, t) if gap < horizon else (t + horizon, 2, t))
-        t += 1.0
-    for when, kind, released in sorted(events):
-        if when > until:
-            break
-        if kind == 0:
-            model.observe_release(CHAT, 1, when)
-        elif kind == 1:
-            model.observe_reuse(CHAT, 1, when - released, when)
-        else:
-            model.observe_censored(CHAT, 1, horizon, when)
-
-
-def test_pages_still_waiting_are_censored_at_their_age_so_a_long_watch_does_not_inflate_reuse():
-    """A ghost that watches pages for 10 minutes reports a reuse seconds after it happens but a page
-    that is never reused only 10 minutes after its release. Fitted from what was reported, the class
-    looks always reused; with the pages still waiting counted (censored at their age), it does not."""
-    reported, at_risk = ReuseModel(fit_spec()), ReuseModel(fit_spec())
-    at_risk.track_at_risk = True
-    for model in (reported, at_risk):
-        replay_events(model, p=0.3, rate_per_s=1 / 120, horizon=600, until=1500)
-    assert abs(at_risk.reuse_probability(CHAT) - 0.3) < 0.05
-    assert reported.reuse_probability(CHAT) > 0.4  # the bias the waiting pages correct
-    # Waiting: the last 600 s of releases less those reused so far, 600 - 0.3 * (600 - 120) pages.
-    assert at_risk._fits[CHAT].at_risk == pytest.approx(456, rel=0.1)
-
-
-def test_never_reused_mass_makes_old_pages_worthless():
-    # With p = 1 an exponential is memoryless: age changes nothing. With p < 1, waiting is evidence
-    # that the page belongs to the never-reused mass.
-    assert math.isclose(p_reuse(1.0, 0.01, 0, reuse_within(0.01, 60)), p_reuse(1.0, 0.01, 500, reuse_within(0.01, 60)))
-    young, old = p_reuse(0.3, 0.01, 0, reuse_within(0.01, 60)), p_reuse(0.3, 0.01, 500, reuse_within(0.01, 60))
-    assert old < young / 5
 
 
 def test_rare_class_borrows_its_workload_class_fit():

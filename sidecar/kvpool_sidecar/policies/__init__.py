@@ -18,8 +18,6 @@ from kvpool_sidecar.policies.base import (
 from kvpool_sidecar.policies.fifo import FIFOPolicy, S3FIFOPolicy
 from kvpool_sidecar.policies.lfu import LFUPolicy
 from kvpool_sidecar.policies.lru import LRUPolicy
-from kvpool_sidecar.policies.workload_aware import WorkloadAwarePolicy
-from kvpool_sidecar.policies.workload_exact import WorkloadAwareExactPolicy
 
 PolicyFactory = Callable[[PolicyContext], EvictionPolicy]
 
@@ -28,8 +26,6 @@ POLICIES: dict[str, PolicyFactory] = {
     "fifo": FIFOPolicy,
     "lfu": LFUPolicy,
     "s3fifo": S3FIFOPolicy,
-    "workload_aware": WorkloadAwarePolicy,
-    "workload_aware_exact": WorkloadAwareExactPolicy,
     "workload_adaptive": WorkloadAdaptivePolicy,
 }
 
@@ -56,8 +52,6 @@ __all__ = [
     "PolicyFactory",
     "S3FIFOPolicy",
     "WorkloadAdaptivePolicy",
-    "WorkloadAwareExactPolicy",
-    "WorkloadAwarePolicy",
     "credit_scale",
     "has_unnamed_child",
     "make_policy",

@@ -32,9 +32,18 @@ from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.frequency import COUNT_CAP, FrequencyView, ReuseByCount
 from kvpool_sidecar.keys import workload_class_of
 from kvpool_sidecar.policies.base import NO_PAGE, PolicyBase, PolicyContext, has_unnamed_child, run_limit
-from kvpool_sidecar.policies.scoring import LOCALITY_LEVELS, locality_level
 
+LOCALITY_LEVELS = 16  # S_locality in 1/16ths of a prompt: few queues per class, and enough steps
 _LEVELS = COUNT_CAP + 1  # queue ids: (window slot * (LOCALITY_LEVELS + 1) + level) * _LEVELS + count
+
+
+def locality_level(depth: int, length: int) -> int:
+    """S_locality in 1/16ths: a prompt's first page is 16, its last 1 or more. Relative to its prompt,
+    because what is worth keeping of a prompt is its head (system prompt, history); the tails of all
+    prompts compete on their reuse credit alone."""
+    if depth >= length:
+        return 1
+    return LOCALITY_LEVELS - (depth * LOCALITY_LEVELS) // length
 
 
 def credit_scale(weight: float, window: float, gamma: float) -> float:

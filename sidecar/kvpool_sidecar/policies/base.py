@@ -10,16 +10,15 @@ list[int]``: the next ``count`` victims (``count <= len(policy)``) in the order
 descendants, which the pool evicts with it and uses before asking for more. The policy either stops
 right after such a page or offers ``restore(pages)``, through which the pool puts back, in front and
 in order, the victims named after one (LRU does: under LRU a victim's descendants nearly always went
-before it, so it names without looking). The workload-aware policy reads the tree from its context
-(:class:`PageTree`) and passes over a page with cached descendants until they are gone: ranking
-pages of different classes, it would otherwise cut whole subtrees (every chat under a system prompt).
+before it, so it names without looking). The default policy stops: it reads the tree from its context
+(:class:`PageTree`) to keep its order prefix-closed.
 
 ``check()`` asserts the consistency of a policy's own structure; the pool's ``check_invariants``
-calls it (LRU checks its linked ring). ``uses_model``: the policy ranks by the reuse model, so the
-pool keeps a ghost of evicted keys to feed the model the reuses that come after an eviction.
+calls it (LRU checks its linked ring). ``uses_frequency``: the policy ranks by page counts, so the
+pool counts each prompt's page keys in its sketch (and runs the self-tuner).
 
 Every member is in :class:`EvictionPolicy`; :class:`PolicyBase` gives the optional ones their
-defaults (no bulk, no model, nothing to check), so the pool never probes a policy for what it has.
+defaults (no bulk, no counts, nothing to check), so the pool never probes a policy for what it has.
 """
 
 from __future__ import annotations
@@ -78,7 +77,6 @@ class PolicyContext:
 class EvictionPolicy(Protocol):
     name: str
     bulk: bool  # it names victims in bulk: ``victims`` (and, if it does not stop early, ``restore``)
-    uses_model: bool  # it ranks by the reuse model: the pool keeps the ghost of evicted keys
     uses_frequency: bool  # it ranks by page counts: the pool counts prompts' pages in its sketch
 
     def insert(self, pages: list[int], depths: Sequence[int], length: int, now: float, klass: Hashable) -> None:
@@ -124,7 +122,6 @@ class PolicyBase:
     """The optional capabilities' defaults: one victim at a time, no model, nothing of its own to check."""
 
     bulk = False
-    uses_model = False
     uses_frequency = False
 
     def victims(self, now: float, count: int, links: tuple[Sequence[int], Sequence[int]]) -> list[int]:

@@ -26,14 +26,12 @@ from kvpool_sidecar.keys import (
     tenant_salt,
     turn_bucket,
 )
-from kvpool_sidecar.pool.ghost import GHOST_SAMPLE
 from kvpool_sidecar.pool.pool import PagePool
 from kvpool_sidecar.pool.records import Admission, ForkResult, PartitionStats, Pin, PoolStats
 
 __all__ = [
     "DEFAULT_META",
     "DEFAULT_TENANT",
-    "GHOST_SAMPLE",
     "TO_B",
     "TO_C",
     "Admission",

@@ -9,11 +9,10 @@ page is counted once, under one reason).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from kvpool_sidecar.keys import TO_C, workload_class_of
 from kvpool_sidecar.policies import NO_PAGE
-from kvpool_sidecar.pool.ghost import GHOST_MASK
 from kvpool_sidecar.pool.records import PARTITIONS
 
 
@@ -153,13 +152,9 @@ class Eviction:
         index = self._index
         next_sib = self._next_sib
         last = self._last
-        ghost = self._ghost if self._ghost_cap else None
-        klass_of = self._klass
         removed = self.removed_keys
         threshold = now - self._windows[PARTITIONS[part]]
         expired = 0
-        # The ghost's value of a key, shared by the keys released together (one tuple, not one each)
-        remembered: tuple[Hashable, float] | None = None
         pages: list[int]
         batch: Iterable[int]
         if bulk is not None:
@@ -184,10 +179,6 @@ class Eviction:
             key[page] = None
             if removed is not None:
                 removed.append(k)
-            if ghost is not None and not hash(k) & GHOST_MASK:
-                if remembered is None or remembered[1] != last[page] or remembered[0] != klass_of[page]:
-                    remembered = (klass_of[page], last[page])
-                ghost[k] = remembered
             parent = parent_of[page]
             if parent != NO_PAGE:
                 if first_child[parent] == page and next_sib[page] == NO_PAGE:
@@ -202,8 +193,6 @@ class Eviction:
         if evicted:
             self._count_evictions(part, "expired", expired)
             self._count_evictions(part, "capacity", evicted - expired)
-        if ghost:
-            self._observe(self._trim_ghost, now)
         return pages
 
     def _evict_with_descendants(self, part: int, page: int, count: int, now: float) -> list[int]:
@@ -286,8 +275,6 @@ class Eviction:
         del self._index[k]
         if self.removed_keys is not None:
             self.removed_keys.append(k)
-        if self._ghost_cap and not hash(k) & GHOST_MASK:
-            self._ghost[k] = (self._klass[page], self._last[page])
         self._key[page] = None
         self._unlink(page)
         self._owned[self._part[page]] -= 1

@@ -25,7 +25,6 @@ class Handover:
         self.old = old
         self.new = new
         self.name = new.name
-        self.uses_model = new.uses_model
         self.uses_frequency = new.uses_frequency
 
     @property

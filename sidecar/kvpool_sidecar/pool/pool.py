@@ -2,7 +2,7 @@
 
 :class:`PagePool` is the facade; each part of it owns its state and its invariants:
 :mod:`.pages` (I1, I2, I4), :mod:`.eviction` (I5, I7, the counters), :mod:`.pins` (I6),
-:mod:`.ghost` (the evicted keys the reuse model learns from). The facade holds the live sequences
+:mod:`.frequencies` (page counts and the self-tuner). The facade holds the live sequences
 and the all-or-nothing rule (I8: a call that raises leaves the pool as it was) and I9 (no leaks).
 """
 
@@ -33,7 +33,6 @@ from kvpool_sidecar.keys import (
 from kvpool_sidecar.policies import EvictionPolicy, PageTree, PolicyContext, PolicyFactory, make_policy
 from kvpool_sidecar.pool.eviction import Eviction
 from kvpool_sidecar.pool.frequencies import PageFrequencies
-from kvpool_sidecar.pool.ghost import GhostMemory
 from kvpool_sidecar.pool.handover import Handover
 from kvpool_sidecar.pool.pages import PageTable
 from kvpool_sidecar.pool.pins import Pinning
@@ -48,7 +47,7 @@ log = logging.getLogger("kvpool.pool")
 HANDOVER_PAGES_PER_CALL = 64
 
 
-class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFrequencies):
+class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
     """A fixed set of ``total_pages`` pages of ``page_size`` tokens, shared by prefix across sequences.
 
     Invariants (checked by :meth:`check_invariants`, named so that code and tests agree):
@@ -85,7 +84,6 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
         self.clock = clock
         self._init_pages(total_pages)
         self._init_sequences(max_sequences, max_sequence_tokens)
-        self._init_ghost()
         self._init_eviction()
         self._init_pins(total_pages)
         self._init_frequencies()
@@ -104,7 +102,6 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
         n = self.total_pages
         windows = {TO_C: spec.workloads.toC.window_seconds, TO_B: spec.workloads.toB.window_seconds}
         self._windows = windows
-        self._size_ghost(any(p.uses_model for p in self._policies), max(windows.values()))
         to_b = int(n * spec.workloads.toB.isolationPercent / 100)
         self._caps = [n - to_b, to_b]
         self._limits = [n, to_b]  # to-B's share is its guarantee and its limit; to-C may borrow its idle pages
@@ -224,8 +221,6 @@ class PagePool(PageTable, SequenceTable, GhostMemory, Eviction, Pinning, PageFre
                 raise PoolExhausted(need, obtainable, PARTITIONS[part])
         # From here on nothing raises (I8): statistics and tuners are observers (see _observe).
         cross_user, reuses = self._take_hits(hits, meta.user, now)
-        if self._ghost:
-            self._observe(self._observe_late_reuses, keys[len(hits):], now)
         evictions = self.evictions
         pages = hits + self._allocate(part, need, now) if need > 0 else hits
         cached_tokens = min(len(hits) * ps, n)
