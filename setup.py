@@ -1,9 +1,9 @@
 """The one thing pyproject.toml cannot say without an experimental table: the compiled extensions.
 
-Two hot loops of the default eviction policy in C, each beside the Python it replaces (which stays as
-its reference, and runs where no compiler is found: the extensions are optional):
-``kvpool_sidecar._sketch`` (the frequency sketch's per-key loop; ``frequency.COMPILED`` says which
-runs) and ``kvpool_sidecar._shadow`` (a self-tuner's shadow cache; ``tuning.COMPILED``).
+Two hot loops of the default eviction policy in C: ``kvpool_sidecar._sketch`` (the frequency
+sketch's per-key loop) and ``kvpool_sidecar._shadow`` (a self-tuner's shadow cache). Their Python
+references are in tests/sidecar/oracles.py. Installing needs a C compiler (the Dockerfile's wheel
+stage has one; the sidecar's image does not).
 """
 
 import sys
@@ -15,7 +15,7 @@ from setuptools import Extension, setup
 FLAGS = [] if sys.platform == "win32" else ["-ffp-contract=off"]
 
 setup(ext_modules=[
-    Extension("kvpool_sidecar._sketch", ["sidecar/kvpool_sidecar/_sketch.c"], optional=True),
-    Extension("kvpool_sidecar._shadow", ["sidecar/kvpool_sidecar/_shadow.c"], optional=True,
+    Extension("kvpool_sidecar._sketch", ["sidecar/kvpool_sidecar/_sketch.c"]),
+    Extension("kvpool_sidecar._shadow", ["sidecar/kvpool_sidecar/_shadow.c"],
               extra_compile_args=FLAGS),
 ])

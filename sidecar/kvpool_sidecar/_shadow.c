@@ -1,12 +1,12 @@
-/* A self-tuner's shadow cache, compiled: what kvpool_sidecar.pool.tuning.ShadowCache does in Python
- * (its replay and _evict), decision for decision. tests/sidecar/test_adaptive.py feeds the two the
- * same prompts and compares their scores and every queue, key by key, touch time by touch time.
+/* A self-tuner's shadow cache, compiled: what PythonShadowCore in tests/sidecar/oracles.py does,
+ * decision for decision. tests/sidecar/test_adaptive.py feeds the two the same prompts and compares
+ * their scores and every queue, key by key, touch time by touch time.
  *
  * Why in C: six shadows replay a sampled share of every prompt's pages (half of them at 1 % of the
  * chat trace), a few dict operations per page and shadow: the largest cost of a replay with the
- * default policy once the sketch was compiled. Optional: without a compiler the Python class runs.
+ * default policy once the sketch was compiled.
  *
- * The structures follow the Python class one for one: a table of cached keys (open addressing,
+ * The structures follow the reference one for one: a table of cached keys (open addressing,
  * linear probing, backward-shift deletion) whose entries link into FIFO queues, one per (scale,
  * count) in creation order, and a heap of lower bounds of the queues' head ranks ordered by (rank,
  * serial), with the serials handed out at the same steps, so that ties break the same way.
@@ -479,7 +479,7 @@ core_dealloc(ShadowCore *s)
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
-/* One prompt (keys, counts, scale, now, decay), as ShadowCache.replay's loop body. */
+/* One prompt (keys, counts, scale, now, decay), as the reference replay's loop body. */
 static int
 replay_prompt(ShadowCore *s, PyObject *prompt, double *score, double *interval)
 {
@@ -656,7 +656,7 @@ core_len(ShadowCore *s)
 
 static PyMethodDef core_methods[] = {
     {"replay", (PyCFunction)core_replay, METH_VARARGS,
-     "replay(prompts, p, score, interval_hits) -> (score, interval_hits); see ShadowCache.replay"},
+     "replay(prompts, p, score, interval_hits) -> (score, interval_hits); see pool.tuning.ShadowCache"},
     {"queues", (PyCFunction)core_queues, METH_NOARGS, "every queue's (scale, count, [(key, touched)]), in order"},
     {NULL, NULL, 0, NULL},
 };

@@ -1,4 +1,4 @@
-# The compiled shadow cache (_shadow.c); its reference is kvpool_sidecar.pool.tuning.ShadowCache's own loops.
+# The compiled shadow cache (_shadow.c); its reference is tests/sidecar/oracles.py's PythonShadowCore.
 from collections.abc import Hashable, Sequence
 
 class ShadowCore:

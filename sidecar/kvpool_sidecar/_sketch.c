@@ -1,10 +1,9 @@
-/* The frequency sketch's per-key loop, compiled: what kvpool_sidecar.frequency._count_python does,
+/* The frequency sketch's per-key loop, compiled: what count_python in tests/sidecar/oracles.py does,
  * bit for bit (tests/sidecar/test_adaptive.py compares the two on the same keys and cells).
  *
  * Why in C: the loop runs for every page of every admitted prompt, and in Python its 64-bit mixing
  * is arbitrary-precision arithmetic: about 1.4 us a key, the largest single cost of a chat replay
  * with the default policy. Here it is a few nanoseconds plus the key's own hash.
- * Optional: without a compiler the package installs without it and frequency.py runs its Python loop.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -18,9 +18,8 @@ in at most about one case in seven (two such cells at once), fewer early in a pe
 
 :class:`ReuseByCount` learns P(a page is contained in one more request | its count) from the same
 increments: a key going from count c to c + 1 is a reuse of a page at count c. No I/O. The sketch's
-per-key loop runs compiled where the package was built with its C extension (``_sketch.c``; in
-Python the 64-bit mixing is arbitrary-precision arithmetic, 1.4 us a key against 0.09 compiled),
-and :func:`_count_python`, its reference, where not.
+per-key loop is compiled (``_sketch.c``: in Python the 64-bit mixing is arbitrary-precision
+arithmetic, 1.4 us a key against 0.09); the tests hold its Python reference.
 """
 
 from __future__ import annotations
@@ -28,6 +27,8 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from typing import NamedTuple, Protocol
+
+from kvpool_sidecar._sketch import count as _count
 
 COUNT_CAP = 15  # counters saturate here; the reuse curve is flat beyond a few counts anyway
 SLOTS_PER_PAGE = 32  # cells per pool page for each of a key's two cells (rounded up to a power of two)
@@ -57,44 +58,6 @@ def mixed_hash(key: Hashable) -> int:
     h = (hash(key) * _MIX) & _MASK64
     h ^= h >> 31
     return (h * _MIX2) & _MASK64
-
-
-def _count_python(cells: bytearray, line_mask: int, keys: Sequence[Hashable], cap: int,
-                  drop: int) -> tuple[list[int], list[int]]:
-    """One request's increments: each key's count (the smaller of its two cells) before it, raised
-    by one up to ``cap`` (conservative update: only the cells below the new count move), and the
-    indexes of the keys whose mixed hash has no bit set from bit ``drop`` up (none when ``drop`` < 0).
-
-    The reference for the compiled loop (``kvpool_sidecar._sketch.count``, the same arguments), which
-    runs instead where it was built.
-    """
-    before: list[int] = []
-    sampled: list[int] = []
-    sampling = drop >= 0
-    for depth, key in enumerate(keys):
-        h = (hash(key) * _MIX) & _MASK64  # mixed_hash, inlined: this runs for every page of a prompt
-        h = ((h ^ (h >> 31)) * _MIX2) & _MASK64
-        line = ((h >> 12) & line_mask) << 6  # FrequencySketch._cell_pair, inlined
-        i, j = line | (h & 63), line | ((h >> 6) & 63)
-        a, b = cells[i], cells[j]
-        count = a if a < b else b
-        before.append(count)
-        if count < cap:
-            count += 1
-            if a < count:
-                cells[i] = count
-            if b < count:
-                cells[j] = count
-        if sampling and not h >> drop:
-            sampled.append(depth)
-    return before, sampled
-
-
-try:  # the compiled loop, where the package was built with it (see _sketch.c)
-    from kvpool_sidecar._sketch import count as _count
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _count = _count_python
-COMPILED = _count is not _count_python  # as pool.tuning.COMPILED says of the shadows
 
 
 class FrequencySketch:

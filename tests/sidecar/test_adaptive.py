@@ -5,7 +5,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import os
 import random
 
 import httpx
@@ -13,12 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvpool_sidecar import frequency
+from kvpool_sidecar._shadow import ShadowCore
+from kvpool_sidecar._sketch import count as sketch_count
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, validate_config
 from kvpool_sidecar.frequency import COUNT_CAP, LIFT_SHAPE, CountLift, FrequencySketch, ReuseByCount
 from kvpool_sidecar.pool import PagePool, tuning
 from kvpool_sidecar.pool.tuning import _DECIDE_EVERY, SampledPrompt, SelfTuner, ShadowCache
 from kvpool_sidecar.replay import capacity_pages, parse_lines, replay_pool, trace_spec
 from kvpool_sidecar.replay.synth import generate
+from oracles import PythonShadowCore, count_python
 from support import live_sidecar
 
 
@@ -119,22 +121,7 @@ def test_a_small_pools_sketch_remembers_as_long_as_its_floors_say():
     assert sketch.nbytes == 64
 
 
-def _require_compiled(built: bool, module: str) -> None:
-    """make test (KVPOOL_REQUIRE_NATIVE) fails where the build lacks ``module``; elsewhere it skips."""
-    if not built:
-        if os.environ.get("KVPOOL_REQUIRE_NATIVE"):
-            pytest.fail(f"kvpool_sidecar.{module} was not built (no C compiler at install?)")
-        pytest.skip(f"kvpool_sidecar.{module} was not built: its Python reference runs")
-
-
-def _compiled_count():
-    """The compiled sketch loop."""
-    _require_compiled(frequency.COMPILED, "_sketch")
-    return frequency._count
-
-
 def test_the_compiled_sketch_counts_exactly_as_the_python_loop():
-    count = _compiled_count()
     rng = random.Random(7)
     keys: list = [rng.randrange(-(2**70), 2**70) for _ in range(300)]
     keys += [-1, -2, 0, 2**63 - 1, -(2**63), 2**64 + 5, "a", b"\x00" * 16, ("toC", 3), 1.5]
@@ -144,35 +131,40 @@ def test_the_compiled_sketch_counts_exactly_as_the_python_loop():
         prompt = keys[:rng.randrange(0, 8)] + rng.sample(keys, rng.randrange(0, 40))  # a hot prefix and others
         drop = rng.choice([-1, 59, 60, 61, 62, 63, 64])
         cap = rng.choice([COUNT_CAP, 3])
-        assert count(compiled, 7, prompt, cap, drop) == frequency._count_python(reference, 7, prompt, cap, drop), step
+        assert sketch_count(compiled, 7, prompt, cap, drop) == count_python(reference, 7, prompt, cap, drop), step
         assert compiled == reference, step
     assert max(compiled) == COUNT_CAP
 
 
 def test_the_compiled_sketch_refuses_cells_it_would_write_past():
-    count = _compiled_count()
     cells = bytearray(64 * 4)
     with pytest.raises(ValueError, match="line_mask"):
-        count(cells, 4, [1, 2, 3], COUNT_CAP, -1)  # five lines' reach over four lines
+        sketch_count(cells, 4, [1, 2, 3], COUNT_CAP, -1)  # five lines' reach over four lines
     with pytest.raises(TypeError, match="bytearray"):
-        count(bytes(64 * 4), 3, [1], COUNT_CAP, -1)
+        sketch_count(bytes(64 * 4), 3, [1], COUNT_CAP, -1)
     with pytest.raises(TypeError):
-        count(cells, 3, [1, [2]], COUNT_CAP, -1)  # an unhashable key, as hash() says
+        sketch_count(cells, 3, [1, [2]], COUNT_CAP, -1)  # an unhashable key, as hash() says
     assert cells.count(0) == len(cells) - 2  # only the key before it was counted (two cells)
 
 
-def _compiled_shadow() -> None:
-    _require_compiled(tuning.COMPILED, "_shadow")
+def replay_both(compiled: ShadowCore, reference: PythonShadowCore, prompts: list[SampledPrompt],
+                curve: list[float], scores: tuple[float, float]) -> tuple[float, float]:
+    """One batch into both cores: their scores, sizes and queues (key by key, touch by touch) agree."""
+    got = compiled.replay(prompts, curve, *scores)
+    assert got == reference.replay(prompts, curve, *scores)
+    assert len(compiled) == len(reference)
+    assert compiled.queues() == reference.queues()
+    return got
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.03, 0.3])
 def test_the_compiled_shadow_decides_exactly_as_the_python_one(weight):
-    _compiled_shadow()
     rng = random.Random(11)
-    compiled, reference = ShadowCache(60, weight, compiled=True), ShadowCache(60, weight, compiled=False)
+    compiled, reference = ShadowCore(60, weight), PythonShadowCore(60, weight)
     hot: list = [rng.randbytes(8) for _ in range(30)]  # reused often: hits, moves between queues
     curve = list(ReuseByCount().p)
     now = 0.0
+    scores = (0.0, 0.0)
     for batch in range(300):
         if batch % 40 == 39:  # a refitted curve: a new list, the heap rebuilt
             curve = sorted(min(1.0, c + rng.random() * 0.1) for c in curve)
@@ -184,12 +176,8 @@ def test_the_compiled_shadow_decides_exactly_as_the_python_one(weight):
                 keys.append(keys[0])  # a key twice in one prompt
             counts = list(itertools.accumulate((rng.randrange(1, COUNT_CAP + 1) for _ in keys), min))
             prompts.append(SampledPrompt(keys, counts, rng.choice([600.0, 6000.0]), now, rng.choice([1.0, 0.99])))
-        compiled.replay(prompts, curve)
-        reference.replay(prompts, curve)
-        assert (compiled.score, compiled.interval_hits, len(compiled)) == (
-            reference.score, reference.interval_hits, len(reference)), batch
-        assert compiled.queues() == reference.queues(), batch
-    assert reference.score > 10 and len(reference) == 60
+        scores = replay_both(compiled, reference, prompts, curve, scores)
+    assert scores[0] > 10 and len(reference) == 60
 
 
 _prompts = st.lists(  # small keys, few counts, equal times: hits, moves between queues, ties
@@ -203,10 +191,10 @@ _prompts = st.lists(  # small keys, few counts, equal times: hits, moves between
 @settings(max_examples=150, deadline=None)
 def test_any_stream_leaves_the_compiled_and_python_shadows_alike(capacity, weight, batches):
     """Any prompts, and capacities that move between batches (a partition's holdings do)."""
-    _compiled_shadow()
-    compiled, reference = ShadowCache(capacity, weight, compiled=True), ShadowCache(capacity, weight, compiled=False)
+    compiled, reference = ShadowCore(capacity, weight), PythonShadowCore(capacity, weight)
     curve = list(ReuseByCount().p)
     now = 0.0
+    scores = (0.0, 0.0)
     for batch, resize in batches:
         if resize:
             compiled.capacity = reference.capacity = resize
@@ -216,18 +204,14 @@ def test_any_stream_leaves_the_compiled_and_python_shadows_alike(capacity, weigh
             now += step
             counts = [max(1, top - depth) for depth in range(len(keys))]  # capped by the page above
             prompts.append(SampledPrompt(keys, counts, scale, now, 0.9))
-        compiled.replay(prompts, curve)
-        reference.replay(prompts, curve)
-        assert compiled.queues() == reference.queues()
-        assert (compiled.score, compiled.interval_hits) == (reference.score, reference.interval_hits)
+        scores = replay_both(compiled, reference, prompts, curve, scores)
 
 
 def test_the_compiled_shadow_refuses_what_it_cannot_rank_and_stays_whole():
-    _compiled_shadow()
-    shadow = ShadowCache(8, 0.3, compiled=True)
+    shadow = ShadowCache(8, 0.3)
     curve = list(ReuseByCount().p)
     shadow.replay([SampledPrompt([1, 2, 3], [3, 2, 1], 600.0, 1.0, 1.0)], curve)
-    kept = shadow.queues()
+    kept = shadow.core.queues()
     with pytest.raises(ValueError, match="fewer counts"):
         shadow.replay([SampledPrompt([4, 5], [1], 600.0, 2.0, 1.0)], curve)
     with pytest.raises(ValueError, match="outside the curve"):
@@ -244,14 +228,12 @@ def test_the_compiled_shadow_refuses_what_it_cannot_rank_and_stays_whole():
 
     with pytest.raises(RuntimeError, match="inside a replay"):
         shadow.replay([SampledPrompt([Reentrant()], [1], 600.0, 2.0, 1.0)], curve)
-    assert shadow.queues() == kept and len(shadow) == 3
+    assert shadow.core.queues() == kept and len(shadow) == 3
 
 
-def test_without_a_compiler_the_policy_hits_and_switches_alike(monkeypatch):
-    """The package built without its C extensions (their Python references in their place) replays a
-    trace to the same hits, evictions, switches and shadow hit ratios."""
-    if not (frequency.COMPILED and tuning.COMPILED):
-        pytest.skip("the C extensions were not built: only the Python code runs")  # the tests above fail then
+def test_the_python_references_replay_a_trace_as_the_compiled_loops_do(monkeypatch):
+    """The whole policy with the Python references in place of the compiled loops replays a trace to
+    the same hits, evictions, switches and shadow hit ratios (the references are what the loops mean)."""
     t = trace("mixed", 3000, seed=3)
 
     def replayed() -> tuple:
@@ -261,8 +243,8 @@ def test_without_a_compiler_the_policy_hits_and_switches_alike(monkeypatch):
         return result.token_hit_ratio, result.evictions, pool.tuning()
 
     compiled = replayed()
-    monkeypatch.setattr(frequency, "_count", frequency._count_python)
-    monkeypatch.setattr(tuning, "COMPILED", False)
+    monkeypatch.setattr(frequency, "_count", count_python)
+    monkeypatch.setattr(tuning, "ShadowCore", PythonShadowCore)
     python = replayed()
     assert python == compiled
     assert compiled[2]["toC"]["switches"] >= 1 and compiled[2]["toB"]["switches"] >= 1  # the tuners moved

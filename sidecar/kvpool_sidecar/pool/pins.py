@@ -21,7 +21,7 @@ from kvpool_sidecar.errors import InvalidRequest, QuotaExceeded, UnknownPin
 from kvpool_sidecar.keys import DEFAULT_META, TO_C, WorkloadMeta
 from kvpool_sidecar.policies import NO_PAGE
 from kvpool_sidecar.pool.records import PARTITIONS, Pin, SeqState
-from kvpool_sidecar.workload import PREFIX_RATE_WINDOW, DecayedCounter
+from kvpool_sidecar.rates import PREFIX_RATE_WINDOW, DecayedCounter
 
 _MAX_TRACKED_PREFIXES = 65_536  # prefix rates kept before the cold ones are pruned
 # Pages of expired pins that one pool call lapses (the rest on later calls or the background task): about

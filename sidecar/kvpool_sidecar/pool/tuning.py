@@ -15,31 +15,21 @@ score and consistent (over :data:`SIGNIFICANCE` times the root of the leads' squ
 the live cache more than the shadows see, so a lead that comes and goes must move nothing. It starts
 at the smallest weight (LRU by default), so a tuner that has seen little changes nothing.
 
-Cost: the shadows hold, together, ``candidates / sampleOneIn`` times the partition's keys (two dict
-entries each in Python; compiled, a 40-byte entry and two to four table slots) and do that share of
-its per-page work. No I/O. A shadow's replay runs compiled where the package was built with
-``_shadow.c`` (its queues, table and heap in C, the same decisions, tie for tie);
-:class:`ShadowCache`'s own loops are its reference and run where it was not.
+Cost: the shadows hold, together, ``candidates / sampleOneIn`` times the partition's keys (a 40-byte
+entry and two to four table slots each, in ``_shadow.c``) and do that share of its per-page work. No
+I/O. The tests hold a Python shadow, decision for decision the compiled one's, as its reference.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from heapq import heapify, heappop, heappush, heapreplace
-from itertools import repeat
 from typing import NamedTuple
 
+from kvpool_sidecar._shadow import ShadowCore
 from kvpool_sidecar.config import SelfTuning
 from kvpool_sidecar.frequency import COUNT_CAP
-from kvpool_sidecar.policies import credit_scale, run_limit
-
-try:  # a shadow's replay compiled, where the package was built with it (see _shadow.c)
-    from kvpool_sidecar._shadow import ShadowCore as _ShadowCore
-except ImportError:  # pragma: no cover - a build without a C compiler
-    _ShadowCore = None
-COMPILED = _ShadowCore is not None
+from kvpool_sidecar.policies import credit_scale
 
 # Below this a sampled shadow ranks the candidates badly: sample more keys. Measured on the chat
 # trace at 1-10 %: shadows of 512 pages and more chose as well as unsampled ones; at 256 the tuner
@@ -86,30 +76,20 @@ class SampledPrompt(NamedTuple):
 
 
 class ShadowCache:
-    """Keys of sampled pages only, ranked by the live policy's key, ``touched + scale * P(count)``.
+    """Keys of sampled pages only, ranked by the live policy's key, ``touched + scale * P(count)``,
+    in the compiled core (``_shadow.c``); this class holds what the tuner keeps of it.
 
-    As in the live policy, pages of one credit (one scale, one count) sit in one FIFO queue in
-    touch order, a prompt's deeper pages first, and the victim is the lowest of the queues' heads,
-    ranked with the curve in force: a few dict operations per page and a heap of the heads only (a
-    heap entry per touch cost about a microsecond per sampled page and shadow, most of the tuner's
-    time).
+    As in the live policy, pages of one credit (one scale, one count) sit in one FIFO queue in touch
+    order, a prompt's deeper pages first, and the victim is the lowest of the queues' heads, ranked
+    with the curve in force (a heap of the heads only). A replay looks up and touches each prompt's
+    pages in turn, and its score gains the pages that lead the prompt cached (each stands for the
+    unsampled pages around it); then the lowest keys over capacity leave (once per batch: the tuner
+    keeps a batch under 1/64 of the capacity).
     """
 
-    def __init__(self, capacity: int, weight: float, compiled: bool | None = None) -> None:
-        self._capacity = max(capacity, 1)
+    def __init__(self, capacity: int, weight: float) -> None:
         self.weight = weight
-        # The compiled twin of replay and _evict (_shadow.c), where it was built; this class's own
-        # loops are its reference (compiled=False runs them).
-        compiled = COMPILED if compiled is None else compiled
-        if compiled and _ShadowCore is None:
-            raise RuntimeError("kvpool_sidecar._shadow was not built: only compiled=False can run here")
-        self._core = _ShadowCore(self._capacity, weight) if compiled else None
-        self._queue_of: dict[Hashable, OrderedDict[Hashable, float]] = {}  # cached key -> its queue
-        self._queues: dict[tuple[float, int], OrderedDict[Hashable, float]] = {}  # (scale, count) -> key -> touched
-        # (a lower bound of a queue's head rank, a serial, the queue, the head it was made for)
-        self._heap: list[tuple[float, int, tuple[float, int], Hashable]] = []
-        self._heap_p: Sequence[float] = ()  # the curve the heap's ranks were computed with
-        self._serial = 0
+        self.core = ShadowCore(max(capacity, 1), weight)
         self.score = 0.0  # decayed sampled pages hit
         self.interval_hits = 0.0  # sampled pages hit since the tuner's last decision
         self.lead = 0.0  # the tuner's decayed sum of this shadow's per-interval lead over the one in force
@@ -117,132 +97,19 @@ class ShadowCache:
 
     @property
     def capacity(self) -> int:
-        return self._capacity
+        return self.core.capacity
 
     @capacity.setter
     def capacity(self, keys: int) -> None:
         """Keys kept from the next replay on (a smaller capacity drops the lowest then)."""
-        self._capacity = max(keys, 1)
-        if self._core is not None:
-            self._core.capacity = self._capacity
+        self.core.capacity = max(keys, 1)
 
-    # hot loop: every sampled page, once per candidate
+    # hot loop: every sampled page, once per candidate (compiled)
     def replay(self, prompts: Sequence[SampledPrompt], p: Sequence[float]) -> None:
-        """Look up and touch each prompt's pages in turn: its score gains the pages that lead the
-        prompt cached (each stands for the unsampled pages around it); then the lowest keys over
-        capacity leave (once per batch: the tuner keeps a batch under 1/64 of the capacity)."""
-        if self._core is not None:
-            self.score, self.interval_hits = self._core.replay(prompts, p, self.score, self.interval_hits)
-            return
-        queue_of = self._queue_of
-        queues = self._queues
-        weight = self.weight
-        ranked = weight > 0  # weight 0 is LRU: one queue
-        score = self.score
-        interval = self.interval_hits
-        heap, serial = self._heap, self._serial
-        for keys, counts, scale, now, decay in prompts:
-            hits = 0
-            for key in keys:
-                if key not in queue_of:
-                    break
-                hits += 1
-            score = score * decay + hits
-            interval += hits
-            held = -1  # the count whose queue ``queue`` is (a prompt's counts come in runs)
-            # deeper pages first: they leave first on equal keys
-            for key, count in zip(reversed(keys), reversed(counts) if ranked else repeat(0), strict=False):
-                if count != held:
-                    held, where = count, (scale, count)
-                    queue = queues.get(where)
-                    if queue is None:
-                        queue = queues[where] = OrderedDict()
-                old = queue_of.get(key)
-                if old is queue:  # a hit that stays in its queue: to its tail
-                    queue.move_to_end(key)
-                    queue[key] = now
-                    continue
-                if old is not None:
-                    del old[key]
-                if not queue:  # a new head: its entry (a later curve is seen by _evict's rebuild)
-                    serial += 1
-                    heappush(heap, (now + self._credit(where, p), serial, where, key))
-                queue[key] = now
-                queue_of[key] = queue
-        self.score, self.interval_hits, self._serial = score, interval, serial
-        over = len(queue_of) - self._capacity
-        if over > 0:
-            self._evict(over, p)
-
-    def _evict(self, over: int, p: Sequence[float]) -> None:
-        """Drop the ``over`` lowest keys, in runs from the lowest queue while its head stays below
-        the next entries of the heads' heap.
-
-        The heap holds, for every non-empty queue, at least one entry whose rank is at most its
-        head's (a queue's head only ages forward: a touch moves a key to a tail); an entry that
-        no longer names its queue's head at its rank is replaced by the head's when it surfaces.
-        A new curve changes the credits: the heap is then rebuilt.
-        """
-        queue_of, queues = self._queue_of, self._queues
-        if p is not self._heap_p or len(self._heap) > 4 * len(queues) + 64:
-            self._rebuild(p)
-        heap = self._heap
-        while over > 0:
-            rank, _, where, head = heap[0]
-            queue = queues[where]
-            if not queue:
-                heappop(heap)
-                continue
-            gain = self._credit(where, p)
-            first = next(iter(queue))
-            if first != head or queue[first] + gain != rank:
-                heapreplace(heap, self._head_entry(where, queue, gain))
-                continue
-            limit = run_limit(heap)
-            pop = queue.popitem
-            key, _ = pop(False)  # the head, valid: the lowest key
-            del queue_of[key]
-            over -= 1
-            while over and queue:
-                key, touched = pop(False)
-                if touched + gain > limit:  # beyond the run: back to the front
-                    queue[key] = touched
-                    queue.move_to_end(key, False)
-                    break
-                del queue_of[key]
-                over -= 1
-            if queue:
-                heapreplace(heap, self._head_entry(where, queue, gain))
-            else:
-                heappop(heap)
-
-    def _credit(self, where: tuple[float, int], p: Sequence[float]) -> float:
-        """Seconds of key the pages of queue ``where`` (scale, count) get ahead of their touch."""
-        return where[0] * self.weight * p[where[1]]
-
-    def _head_entry(self, where: tuple[float, int], queue: OrderedDict[Hashable, float],
-                    gain: float) -> tuple[float, int, tuple[float, int], Hashable]:
-        """A heap entry for the head of the non-empty ``queue`` at ``where``, whose credit is ``gain``."""
-        first = next(iter(queue))
-        self._serial += 1
-        return queue[first] + gain, self._serial, where, first
-
-    def _rebuild(self, p: Sequence[float]) -> None:
-        """The heads' heap from scratch, with the curve ``p``."""
-        heap = [self._head_entry(where, queue, self._credit(where, p))
-                for where, queue in self._queues.items() if queue]
-        heapify(heap)
-        self._heap, self._heap_p = heap, p
-
-    def queues(self) -> list[tuple[float, int, list[tuple[Hashable, float]]]]:
-        """Every queue's scale, count and (key, touch time) pairs in order, in the order the queues
-        were made (for tests: the compiled twin answers the same)."""
-        if self._core is not None:
-            return self._core.queues()
-        return [(scale, count, list(queue.items())) for (scale, count), queue in self._queues.items()]
+        self.score, self.interval_hits = self.core.replay(prompts, p, self.score, self.interval_hits)
 
     def __len__(self) -> int:
-        return len(self._core) if self._core is not None else len(self._queue_of)
+        return len(self.core)
 
 
 class SelfTuner:

@@ -1,5 +1,6 @@
 """Routing requests to the pod that holds their prefix: consistent hashing, bounded load, replicas."""
 
+from kvpool_sidecar.rates import DecayedCounter
 from kvpool_sidecar.routing.ring import HashRing, key_movement, key_position
 from kvpool_sidecar.routing.router import (
     REASONS,
@@ -9,7 +10,6 @@ from kvpool_sidecar.routing.router import (
     RouteDecision,
     Router,
 )
-from kvpool_sidecar.workload import DecayedCounter
 
 __all__ = [
     "REASONS", "ROUTING_MODES", "DecayedCounter", "HashRing", "KeySpec", "NoPods", "RouteDecision", "Router",

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from kvpool_sidecar.config import Routing
 from kvpool_sidecar.errors import InvalidRequest
 from kvpool_sidecar.keys import DEFAULT_META, WorkloadMeta, prompt_keys, salted, tenant_salt
+from kvpool_sidecar.rates import PREFIX_RATE_WINDOW, DecayedCounter
 from kvpool_sidecar.routing.ring import HashRing, key_position
-from kvpool_sidecar.workload import PREFIX_RATE_WINDOW, DecayedCounter
 
 ROUTING_MODES: tuple[str, ...] = (
     "random", "round-robin", "least-loaded", "prefix-hash", "bounded-hash", "bounded-hash+replicas",
