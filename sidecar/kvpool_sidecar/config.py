@@ -6,6 +6,7 @@ policy is an error that names the field, not a silently ignored setting. Plain P
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -28,6 +29,7 @@ DURATION_PATTERN = r"^(\d+(\.\d+)?(ms|s|m|h))+$"
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+@functools.lru_cache(maxsize=256)  # windows are read per admission: a config holds a few durations
 def parse_duration(text: str) -> float:
     """Seconds in a Kubernetes-style duration such as ``10s``, ``10m``, ``1h30m`` or ``168h``."""
     if not re.fullmatch(DURATION_PATTERN, text):
@@ -222,6 +224,11 @@ class ToBWorkload(ToCWorkload):
 class Workloads(_Model):
     toC: ToCWorkload = Field(default_factory=ToCWorkload)
     toB: ToBWorkload = Field(default_factory=ToBWorkload)
+
+    def window_of(self, workload_class: str) -> float:
+        """A workload class's reuse window in seconds (to-C's for a class kvpool does not know): the
+        one rule every window is read by (policies' credits, expiry, auto-pins, pre-eviction, fits)."""
+        return (self.toB if workload_class == "toB" else self.toC).window_seconds
 
 
 class AutoPin(_Model):

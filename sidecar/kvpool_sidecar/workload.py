@@ -83,7 +83,7 @@ class ReuseModel:
             "toC": spec.workloads.toC.decayPerMinute / 60.0,
             "toB": spec.workloads.toB.decayPerMinute / 60.0,
         }
-        self.windows = {"toC": spec.workloads.toC.window_seconds, "toB": spec.workloads.toB.window_seconds}
+        self._workloads = spec.workloads
         self.min_samples = spec.learning.minSamples
         self.cold_start_seconds = parse_duration(spec.learning.coldStartPeriod)
         self.drift_threshold = spec.learning.driftThresholdPercent / 100.0
@@ -96,7 +96,7 @@ class ReuseModel:
         return self._prior_rate.get(workload_class_of(klass), self._prior_rate["toC"])
 
     def window_of(self, klass: StatsClass) -> float:
-        return self.windows.get(workload_class_of(klass), self.windows["toC"])
+        return self._workloads.window_of(workload_class_of(klass))
 
     def _fit_pair(self, klass: StatsClass) -> tuple[ClassFit, ClassFit]:
         """The fits an observation of ``klass`` updates, its own and its workload class's (first time)."""

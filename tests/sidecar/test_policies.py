@@ -14,15 +14,13 @@ from kvpool_sidecar.policies import (
     make_policy,
 )
 from kvpool_sidecar.pool import PagePool
-from kvpool_sidecar.workload import ReuseModel
 
 CHAT = ("toC", "text", 0)
 API = ("toB", "api", 0)
 
 
-def ctx(spec: KVCachePolicySpec | None = None, model: ReuseModel | None = None) -> PolicyContext:
-    spec = spec or KVCachePolicySpec()
-    return PolicyContext(spec, model or ReuseModel(spec), key_of=lambda p: ("key", p))
+def ctx(spec: KVCachePolicySpec | None = None) -> PolicyContext:
+    return PolicyContext(spec or KVCachePolicySpec(), key_of=lambda p: ("key", p))
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

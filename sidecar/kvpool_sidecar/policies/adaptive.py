@@ -60,7 +60,6 @@ class WorkloadAdaptivePolicy(PolicyBase):
     def __init__(self, ctx: PolicyContext) -> None:
         view = ctx.frequency
         self._view = view if view is not None else FrequencyView([], ReuseByCount())
-        self._model = ctx.model
         self.partition = ctx.partition
         tree = ctx.tree
         self._parent: Sequence[int] = tree.parent if tree is not None else ()
@@ -76,7 +75,7 @@ class WorkloadAdaptivePolicy(PolicyBase):
         self._tail: dict[int, int] = {}
         self._heap: list[tuple[float, int, int]] = []  # (key of a queue's head, its stamp, queue id)
         self._len = 0
-        self._slot_classes: dict[str, Hashable] = {}  # workload class -> a class of it, in slot order
+        self._slot_classes: list[str] = []  # the workload classes, in slot order
         self._window_slot: dict[Hashable, int] = {}
         self._credit: list[float] = []  # per queue id: its credit in seconds (filled by _rerank)
         self._curve_p: list[float] = []  # the curve the credits were computed with
@@ -88,6 +87,7 @@ class WorkloadAdaptivePolicy(PolicyBase):
         w = spec.eviction.weights
         self._configured = (w.reuse, w.locality)
         self.gamma = w.timeWindow if w.timeWindow > 0 else 1.0  # no time term: credits in windows
+        self._workloads = spec.workloads
         self._rerank()
 
     def set_reuse_weight(self, weight: float | None) -> None:
@@ -107,8 +107,8 @@ class WorkloadAdaptivePolicy(PolicyBase):
         p = self._view.curve.p
         self._curve_p = p
         credit: list[float] = []
-        for klass in self._slot_classes.values():
-            window = self._model.window_of(klass)
+        for workload in self._slot_classes:
+            window = self._workloads.window_of(workload)
             reuse = credit_scale(alpha, window, self.gamma)
             per_level = credit_scale(beta, window, self.gamma) / LOCALITY_LEVELS
             for level in range(LOCALITY_LEVELS + 1):
@@ -125,9 +125,9 @@ class WorkloadAdaptivePolicy(PolicyBase):
         if slot is None:
             workload = workload_class_of(klass)
             if workload not in self._slot_classes:
-                self._slot_classes[workload] = klass
+                self._slot_classes.append(workload)
                 self._rerank()
-            slot = self._window_slot[klass] = list(self._slot_classes).index(workload)
+            slot = self._window_slot[klass] = self._slot_classes.index(workload)
         return slot
 
     # ---------------------------------------------------------------------------- membership

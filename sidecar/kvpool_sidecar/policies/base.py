@@ -30,7 +30,6 @@ from typing import NamedTuple, Protocol
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.frequency import FrequencyView
-from kvpool_sidecar.workload import ReuseModel
 
 NO_PAGE = -1  # "no page": a free page's parent, a leaf's first child
 
@@ -63,11 +62,10 @@ class PageTree(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class PolicyContext:
-    """What a policy may know of its pool: the spec, the shared reuse model, page keys, its partition
-    and (when it runs in a pool) the prefix tree."""
+    """What a policy may know of its pool: the spec, page keys, its partition and (when it runs in a
+    pool) the prefix tree and page counts."""
 
     spec: KVCachePolicySpec
-    model: ReuseModel
     key_of: Callable[[int], Hashable | None]
     partition: str = "toC"
     tree: PageTree | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from kvpool_sidecar.keys import TO_C, workload_class_of
+from kvpool_sidecar.keys import workload_class_of
 from kvpool_sidecar.policies import NO_PAGE
 from kvpool_sidecar.pool.records import PARTITIONS
 
@@ -153,7 +153,7 @@ class Eviction:
         next_sib = self._next_sib
         last = self._last
         removed = self.removed_keys
-        threshold = now - self._windows[PARTITIONS[part]]
+        threshold = now - self._window_of(PARTITIONS[part])
         expired = 0
         pages: list[int]
         batch: Iterable[int]
@@ -202,7 +202,7 @@ class Eviction:
         Counts what it evicts; its caller counts none of it.
         """
         policy = self._policies[part]
-        window = self._windows[PARTITIONS[part]]
+        window = self._window_of(PARTITIONS[part])
         free = self._free
         owned = self._owned
         # A partition over its share (shrunk by a live resize) keeps its size while it serves its own
@@ -298,7 +298,7 @@ class Eviction:
             while len(self._free) < target and freed < budget and len(policy):
                 page = policy.peek(now)
                 klass = self._klass[page]
-                window = self._windows.get(workload_class_of(klass), self._windows[TO_C])
+                window = self._window_of(workload_class_of(klass))
                 if now - self._last[page] <= window:
                     break  # the least valuable page is still fresh: nothing here is worth freeing
                 n = self._evict_one(part, now, "pre_eviction")

@@ -12,7 +12,7 @@ from collections.abc import Hashable
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.frequency import COUNT_CAP, CountCurve, CountLift, FrequencySketch, FrequencyView, ReuseByCount
-from kvpool_sidecar.keys import TO_B, TO_C
+from kvpool_sidecar.keys import TO_B
 from kvpool_sidecar.pool.records import PARTITIONS
 from kvpool_sidecar.pool.tuning import SelfTuner
 
@@ -72,7 +72,7 @@ class PageFrequencies:
         curve.observe(before, sketch.halvings)
         if tuner is not None:
             tuner.follow(self._reach(part))
-            window = self._windows.get(workload_class, self._windows[TO_C])
+            window = self._window_of(workload_class)
             if tuner.observe(keys, before, sampled, curve.p, window, now):
                 self._policies[part].set_reuse_weight(tuner.weight)
                 self.tuning_switches[part] += 1

@@ -18,7 +18,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import replace
 
 from kvpool_sidecar.errors import InvalidRequest, QuotaExceeded, UnknownPin
-from kvpool_sidecar.keys import DEFAULT_META, TO_C, WorkloadMeta
+from kvpool_sidecar.keys import DEFAULT_META, WorkloadMeta
 from kvpool_sidecar.policies import NO_PAGE
 from kvpool_sidecar.pool.records import PARTITIONS, Pin, SeqState
 from kvpool_sidecar.rates import PREFIX_RATE_WINDOW, DecayedCounter
@@ -253,7 +253,7 @@ class Pinning:
         """An auto-pin for the class's window; refused quietly (counted) when even every other auto-pin
         lapsing would not make room."""
         try:
-            pin = self._pin_pages(pages, self._windows.get(meta.workload_class, self._windows[TO_C]), now, auto=True)
+            pin = self._pin_pages(pages, self._window_of(meta.workload_class), now, auto=True)
         except QuotaExceeded:
             self.autopins_refused += 1
             return None

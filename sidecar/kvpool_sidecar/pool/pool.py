@@ -22,7 +22,6 @@ from kvpool_sidecar.errors import (
 from kvpool_sidecar.keys import (
     DEFAULT_META,
     TO_B,
-    TO_C,
     ClassKey,
     WorkloadMeta,
     prompt_keys,
@@ -100,8 +99,7 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
 
     def _apply(self, spec: KVCachePolicySpec) -> None:
         n = self.total_pages
-        windows = {TO_C: spec.workloads.toC.window_seconds, TO_B: spec.workloads.toB.window_seconds}
-        self._windows = windows
+        self._window_of = spec.workloads.window_of
         to_b = int(n * spec.workloads.toB.isolationPercent / 100)
         self._caps = [n - to_b, to_b]
         self._limits = [n, to_b]  # to-B's share is its guarantee and its limit; to-C may borrow its idle pages
@@ -115,7 +113,7 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
 
     def _new_policy(self, spec: KVCachePolicySpec, part: int) -> EvictionPolicy:
         tree = PageTree(self._parent, self._first_child, self._next_sib)
-        ctx = PolicyContext(spec, self.model, self._key.__getitem__, PARTITIONS[part], tree, self._frequency_view(part))
+        ctx = PolicyContext(spec, self._key.__getitem__, PARTITIONS[part], tree, self._frequency_view(part))
         if self._fixed_factory is not None:
             return self._fixed_factory(ctx)
         return make_policy(spec.eviction.policy, ctx)
