@@ -10,16 +10,18 @@
  * linear probing, backward-shift deletion) whose entries link into FIFO queues, one per (scale,
  * count) in creation order, and a heap of lower bounds of the queues' head ranks ordered by (rank,
  * serial), with the serials handed out at the same steps, so that ties break the same way.
+ * A key is its hash: a shadow estimates hit ratios, and two sampled keys of one hash (one pair in
+ * about 2^40 for a million keys) move it by one page. So the core holds no Python object.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 
 typedef struct {
-    PyObject *key; /* owned */
-    Py_hash_t hash;
+    Py_hash_t hash; /* the key */
     double touched;
-    Py_ssize_t slot; /* its place in the table */
+    Py_ssize_t slot; /* its place in the table; -1: a free entry */
     int32_t queue;
     int32_t prev, next; /* within its queue; next also links the free entries */
 } Entry;
@@ -35,7 +37,7 @@ typedef struct {
     double rank;
     long long serial;
     int32_t queue;
-    PyObject *head; /* owned: the key the entry was made for */
+    Py_hash_t head; /* the key the entry was made for */
 } HeapItem;
 
 typedef struct {
@@ -62,28 +64,15 @@ typedef struct {
 
 /* ------------------------------------------------------------------------------ the key table */
 
-static int
-keys_equal(PyObject *a, PyObject *b)
-{
-    return a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
-}
-
-/* The entry of key (hash h), -1 when absent, -2 on an error of the key's comparison. */
+/* The entry of key h, -1 when absent. */
 static int32_t
-find(ShadowCore *s, PyObject *key, Py_hash_t h)
+find(ShadowCore *s, Py_hash_t h)
 {
     Py_ssize_t i = (Py_ssize_t)((size_t)h & (size_t)s->table_mask);
     for (;;) {
         int32_t e = s->table[i];
-        if (e < 0)
-            return -1;
-        if (s->entries[e].hash == h) {
-            int eq = keys_equal(s->entries[e].key, key);
-            if (eq < 0)
-                return -2;
-            if (eq)
-                return e;
-        }
+        if (e < 0 || s->entries[e].hash == h)
+            return e;
         i = (i + 1) & s->table_mask;
     }
 }
@@ -102,7 +91,7 @@ resize_table(ShadowCore *s, Py_ssize_t size)
     s->table = table;
     s->table_mask = size - 1;
     for (int32_t e = 0; e < (int32_t)s->entries_alloc; e++) {
-        if (s->entries[e].key == NULL)
+        if (s->entries[e].slot < 0)
             continue;
         Py_ssize_t i = (Py_ssize_t)((size_t)s->entries[e].hash & (size_t)s->table_mask);
         while (table[i] >= 0)
@@ -113,9 +102,9 @@ resize_table(ShadowCore *s, Py_ssize_t size)
     return 0;
 }
 
-/* A new entry for key (not in the table), its queue fields unset; -1 on no memory. */
+/* A new entry for key h (not in the table), its queue fields unset; -1 on no memory. */
 static int32_t
-add_entry(ShadowCore *s, PyObject *key, Py_hash_t h)
+add_entry(ShadowCore *s, Py_hash_t h)
 {
     if (2 * (s->len + 1) > s->table_mask + 1 && resize_table(s, 2 * (s->table_mask + 1)) < 0)
         return -1;
@@ -131,7 +120,7 @@ add_entry(ShadowCore *s, PyObject *key, Py_hash_t h)
             return -1;
         }
         for (Py_ssize_t e = s->entries_alloc; e < grown; e++) {
-            entries[e].key = NULL;
+            entries[e].slot = -1;
             entries[e].next = e + 1 < grown ? (int32_t)(e + 1) : -1;
         }
         s->entries = entries;
@@ -144,8 +133,6 @@ add_entry(ShadowCore *s, PyObject *key, Py_hash_t h)
     while (s->table[i] >= 0)
         i = (i + 1) & s->table_mask;
     s->table[i] = e;
-    Py_INCREF(key);
-    s->entries[e].key = key;
     s->entries[e].hash = h;
     s->entries[e].slot = i;
     s->len++;
@@ -173,7 +160,7 @@ drop_entry(ShadowCore *s, int32_t e)
             i = j;
         }
     }
-    Py_CLEAR(s->entries[e].key);
+    s->entries[e].slot = -1;
     s->entries[e].next = s->free_entry;
     s->free_entry = e;
     s->len--;
@@ -273,7 +260,6 @@ heap_push(ShadowCore *s, HeapItem item)
         Py_ssize_t grown = s->heap_alloc ? 2 * s->heap_alloc : 64;
         HeapItem *heap = PyMem_Realloc(s->heap, sizeof(HeapItem) * (size_t)grown);
         if (heap == NULL) {
-            Py_DECREF(item.head);
             PyErr_NoMemory();
             return -1;
         }
@@ -295,7 +281,6 @@ heap_push(ShadowCore *s, HeapItem item)
 static void
 heap_pop(ShadowCore *s)
 {
-    Py_DECREF(s->heap[0].head);
     s->heap[0] = s->heap[--s->heap_len];
     if (s->heap_len)
         sift_down(s, 0);
@@ -304,17 +289,8 @@ heap_pop(ShadowCore *s)
 static void
 heap_replace(ShadowCore *s, HeapItem item)
 {
-    Py_DECREF(s->heap[0].head);
     s->heap[0] = item;
     sift_down(s, 0);
-}
-
-static void
-heap_clear(ShadowCore *s)
-{
-    for (Py_ssize_t i = 0; i < s->heap_len; i++)
-        Py_DECREF(s->heap[i].head);
-    s->heap_len = 0;
 }
 
 /* base.run_limit: the lowest rank after the top's (the root's children). */
@@ -337,8 +313,7 @@ static HeapItem
 head_entry(ShadowCore *s, int32_t queue, double gain)
 {
     Entry *first = &s->entries[s->queues[queue].head];
-    HeapItem item = {first->touched + gain, ++s->serial, queue, first->key};
-    Py_INCREF(item.head);
+    HeapItem item = {first->touched + gain, ++s->serial, queue, first->hash};
     return item;
 }
 
@@ -377,7 +352,7 @@ load_curve(ShadowCore *s, PyObject *p)
 static int
 rebuild(ShadowCore *s, PyObject *p)
 {
-    heap_clear(s);
+    s->heap_len = 0;
     Py_INCREF(p);
     Py_XSETREF(s->heap_p, p);
     for (int32_t q = 0; q < (int32_t)s->nqueues; q++)
@@ -407,10 +382,7 @@ evict(ShadowCore *s, Py_ssize_t over, PyObject *p)
         }
         double gain = credit(s, queue);
         Entry *first = &s->entries[q->head];
-        int same = keys_equal(first->key, top->head);
-        if (same < 0)
-            return -1;
-        if (!same || first->touched + gain != top->rank) {
+        if (first->hash != top->head || first->touched + gain != top->rank) {
             heap_replace(s, head_entry(s, queue, gain));
             continue;
         }
@@ -466,9 +438,6 @@ core_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static void
 core_dealloc(ShadowCore *s)
 {
-    for (Py_ssize_t e = 0; e < s->entries_alloc; e++)
-        Py_XDECREF(s->entries[e].key);
-    heap_clear(s);
     Py_XDECREF(s->heap_p);
     Py_XDECREF(s->loaded_p);
     PyMem_Free(s->entries);
@@ -520,10 +489,7 @@ replay_prompt(ShadowCore *s, PyObject *prompt, double *score, double *interval)
     }
     long hits = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int32_t e = find(s, items[i], hashes[i]);
-        if (e == -2)
-            goto done;
-        if (e < 0)
+        if (find(s, hashes[i]) < 0)
             break;
         hits++;
     }
@@ -549,9 +515,7 @@ replay_prompt(ShadowCore *s, PyObject *prompt, double *score, double *interval)
             if (queue < 0)
                 goto done;
         }
-        int32_t e = find(s, items[i], hashes[i]);
-        if (e == -2)
-            goto done;
+        int32_t e = find(s, hashes[i]);
         if (e >= 0 && s->entries[e].queue == queue) { /* a hit that stays in its queue: to its tail */
             unlink_entry(s, e);
             append_entry(s, e, queue);
@@ -561,13 +525,12 @@ replay_prompt(ShadowCore *s, PyObject *prompt, double *score, double *interval)
         if (e >= 0)
             unlink_entry(s, e);
         if (!s->queues[queue].len) { /* a new head: its entry */
-            HeapItem item = {now + credit(s, queue), ++s->serial, queue, items[i]};
-            Py_INCREF(item.head);
+            HeapItem item = {now + credit(s, queue), ++s->serial, queue, hashes[i]};
             if (heap_push(s, item) < 0)
                 goto done;
         }
         if (e < 0) {
-            e = add_entry(s, items[i], hashes[i]);
+            e = add_entry(s, hashes[i]);
             if (e < 0)
                 goto done;
         }
@@ -608,14 +571,14 @@ core_replay(ShadowCore *s, PyObject *args)
     for (Py_ssize_t i = 0; i < n && !failed; i++)
         failed = replay_prompt(s, PySequence_Fast_GET_ITEM(prompts, i), &score, &interval) < 0;
     Py_DECREF(prompts);
-    Py_ssize_t over = s->len - s->capacity;
+    Py_ssize_t over = s->len - (s->capacity > 1 ? s->capacity : 1);
     if (!failed && over > 0)
         failed = evict(s, over, p) < 0;
     s->busy = 0;
     return failed ? NULL : Py_BuildValue("dd", score, interval);
 }
 
-/* [(scale, count, [(key, touched), ...] in queue order), ...] in creation order (for tests). */
+/* [(scale, count, [(key's hash, touched), ...] in queue order), ...] in creation order (for tests). */
 static PyObject *
 core_queues(ShadowCore *s, PyObject *Py_UNUSED(ignored))
 {
@@ -627,7 +590,7 @@ core_queues(ShadowCore *s, PyObject *Py_UNUSED(ignored))
         if (members == NULL)
             goto fail;
         for (int32_t e = s->queues[q].head; e >= 0; e = s->entries[e].next) {
-            PyObject *pair = Py_BuildValue("(Od)", s->entries[e].key, s->entries[e].touched);
+            PyObject *pair = Py_BuildValue("(nd)", (Py_ssize_t)s->entries[e].hash, s->entries[e].touched);
             if (pair == NULL || PyList_Append(members, pair) < 0) {
                 Py_XDECREF(pair);
                 Py_DECREF(members);
@@ -661,34 +624,10 @@ static PyMethodDef core_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyObject *
-core_get_capacity(ShadowCore *s, void *Py_UNUSED(closure))
-{
-    return PyLong_FromSsize_t(s->capacity);
-}
-
-/* A new capacity applies at the next replay's eviction (as in ShadowCache). */
-static int
-core_set_capacity(ShadowCore *s, PyObject *value, void *Py_UNUSED(closure))
-{
-    if (value == NULL) {
-        PyErr_SetString(PyExc_AttributeError, "capacity cannot be deleted");
-        return -1;
-    }
-    Py_ssize_t capacity = PyLong_AsSsize_t(value);
-    if (capacity == -1 && PyErr_Occurred())
-        return -1;
-    if (capacity < 1) {
-        PyErr_SetString(PyExc_ValueError, "capacity must be at least 1");
-        return -1;
-    }
-    s->capacity = capacity;
-    return 0;
-}
-
-static PyGetSetDef core_getset[] = {
-    {"capacity", (getter)core_get_capacity, (setter)core_set_capacity, "the keys kept after a replay", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
+/* A new capacity applies at the next replay's eviction (as in the reference). */
+static PyMemberDef core_members[] = {
+    {"capacity", T_PYSSIZET, offsetof(ShadowCore, capacity), 0, "the keys kept after a replay (at least 1)"},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PySequenceMethods core_as_sequence = {.sq_length = (lenfunc)core_len};
@@ -701,7 +640,7 @@ static PyTypeObject ShadowCoreType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "ShadowCore(capacity, weight): a shadow cache's keys, queues and heap (see _shadow.c)",
     .tp_methods = core_methods,
-    .tp_getset = core_getset,
+    .tp_members = core_members,
     .tp_new = core_new,
 };
 

@@ -44,9 +44,10 @@ Where = tuple[float, int]  # a queue: (scale, count)
 
 
 class PythonShadowCore:
-    """``_shadow.ShadowCore``: a shadow's keys in FIFO queues by (scale, count), in touch order, and a
-    heap of lower bounds of the queues' head ranks ordered by (rank, serial), serials handed out at
-    the same steps as the compiled core's, so that ties break alike."""
+    """``_shadow.ShadowCore``: a shadow's keys (each one's hash, as the compiled core keeps them) in
+    FIFO queues by (scale, count), in touch order, and a heap of lower bounds of the queues' head
+    ranks ordered by (rank, serial), serials handed out at the same steps as the compiled core's, so
+    that ties break alike."""
 
     def __init__(self, capacity: int, weight: float) -> None:
         self.capacity = capacity
@@ -61,7 +62,8 @@ class PythonShadowCore:
                interval: float) -> tuple[float, float]:
         queue_of, queues = self._queue_of, self._queues
         ranked = self.weight > 0  # weight 0 is LRU: one queue
-        for keys, counts, scale, now, decay in prompts:
+        for objects, counts, scale, now, decay in prompts:
+            keys = [hash(key) for key in objects]
             hits = 0
             for key in keys:
                 if key not in queue_of:
@@ -86,7 +88,7 @@ class PythonShadowCore:
                     heappush(self._heap, (now + self._credit(where, p), self._serial, where, key))
                 queue[key] = now
                 queue_of[key] = queue
-        over = len(queue_of) - self.capacity
+        over = len(queue_of) - max(self.capacity, 1)
         if over > 0:
             self._evict(over, p)
         return score, interval
