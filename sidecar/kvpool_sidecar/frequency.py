@@ -37,7 +37,10 @@ PERIOD_PER_PAGE = 16  # increments per pool page between two halvings
 # pages (chat at 0.5 %) the per-page sizes alone halve every 14,600 increments, about 600 chat
 # requests, and a count of 2-8 is then a recent repeat that says little (see CountLift).
 MIN_CELLS = 1 << 19  # 512 KiB
-MIN_PERIOD = 65_536
+MIN_MEMORY = 65_536  # increments: the shortest memory of the sketch's counts and of the lift's flows
+# Observations a learned rate needs before it counts: the prior's weight in P(reuse | count), the
+# arrivals before the count's lift is measured (64 keys: a rate's standard error under 0.07).
+EVIDENCE = 64.0
 # A multiply, xor-shift, multiply mix (splitmix64's finaliser, shortened): Python's hash of an int is
 # the int, and a multiply alone is linear, so a range of trace ids shifted by a constant would land
 # on a shifted copy of the cells of the range before it (72 % false counts where 12 % is due).
@@ -46,9 +49,8 @@ _MIX2 = 0xBF58476D1CE4E5B9
 _MASK64 = (1 << 64) - 1
 _HALVE = bytes(v >> 1 for v in range(256))
 _LINE = 64  # a key's two cells share one 64-byte line: one memory miss per count, not two
-# The prior curve (pseudo-counts of PRIOR_WEIGHT requests per count), close to what chat traffic shows
+# The prior curve (EVIDENCE pseudo-counts per count), close to what chat traffic shows
 PRIOR_BY_COUNT = (0.0, 0.26, 0.42, 0.5, 0.55, 0.6, 0.64, 0.68, 0.7, 0.74, 0.77, 0.8, 0.82, 0.83, 0.84, 0.85)
-PRIOR_WEIGHT = 64.0
 _REFIT_EVERY = 256  # increments between two refits of the curve
 REFIT_TOLERANCE = 0.005  # the change of some P(reuse | count) that makes a refit the new curve
 
@@ -75,7 +77,7 @@ class FrequencySketch:
         self.pages = pages
         self._line_mask = cells // _LINE - 1
         self._cells = bytearray(cells)
-        self._period = max(pages * PERIOD_PER_PAGE, MIN_PERIOD)
+        self._period = max(pages * PERIOD_PER_PAGE, MIN_MEMORY)
         self._added = 0
 
     @property
@@ -161,7 +163,7 @@ class ReuseByCount(_Arrivals):
         for c in range(1, COUNT_CAP + 1):
             # A reuse at the cap leaves the count there: a visit at the cap is an arrival or a reuse.
             visits = arrivals[c] if c < COUNT_CAP else arrivals[c] + arrivals[c + 1]
-            estimate = (arrivals[c + 1] + PRIOR_WEIGHT * PRIOR_BY_COUNT[c]) / (visits + PRIOR_WEIGHT)
+            estimate = (arrivals[c + 1] + EVIDENCE * PRIOR_BY_COUNT[c]) / (visits + EVIDENCE)
             best = max(best, min(estimate, 1.0))
             p[c] = best
         # A new curve re-ranks every queue of the policies that read it; one that moved by less
@@ -173,12 +175,13 @@ class ReuseByCount(_Arrivals):
 # The shared partition's credit by count (CountLift): 0.5 min(log2 c, 3) / 3, about how much more
 # often than a first-seen page a page seen c times comes back on chat (0.26 once; 0.42 twice, 0.52 three or
 # four times, 0.70 up to eight: +0.16 / +0.26 / +0.44), flat from 8 on.
-LIFT_SHAPE = tuple(0.5 * min(math.log2(c), 3.0) / 3.0 if c else 0.0 for c in range(COUNT_CAP + 1))
-LIFT_GATED = range(2, 9)  # the counts the lift scales; 9 and up (templates every prompt sends) keep the shape
+LIFT_TOP = 8  # the credit grows with log2 c up to this count; counts 2 to it are scaled by the lift, and
+# those above it (templates every prompt sends) keep the shape
+LIFT_SHAPE = tuple(0.5 * min(math.log2(c), math.log2(LIFT_TOP)) / math.log2(LIFT_TOP) if c else 0.0
+                   for c in range(COUNT_CAP + 1))
+LIFT_GATED = range(2, LIFT_TOP + 1)
 LIFT_FULL = 0.5  # pages seen 2-8 times coming back this much (relatively) more often than once-seen ones: lift 1
-LIFT_MEMORY_PER_PAGE = 4  # increments per pool page between two halvings of the lift's flows ...
-LIFT_MEMORY_FLOOR = 65_536  # ... and at least this many
-LIFT_EVIDENCE = 64.0  # arrivals at count 1 and at counts 2-8 before the lift is measured (1 until then)
+LIFT_MEMORY_PER_PAGE = 4  # increments per pool page between two halvings of the lift's flows (at least MIN_MEMORY)
 
 
 class CountLift(_Arrivals):
@@ -192,7 +195,7 @@ class CountLift(_Arrivals):
     ``clamp((P_mid - P_1) / (LIFT_FULL P_1), 0, 1)``, P_1 the rate at which keys at count 1 reach 2
     and P_mid the pooled rate at which keys at counts 2-8 reach one more, from the sketch's
     increments (``arrivals`` as in :class:`ReuseByCount`) with their own, shorter memory: halved every
-    ``max(LIFT_MEMORY_PER_PAGE x pool pages, LIFT_MEMORY_FLOOR)`` increments, so a change of traffic
+    ``max(LIFT_MEMORY_PER_PAGE x pool pages, MIN_MEMORY)`` increments, so a change of traffic
     shows within a few pools' worth of prompts (the sketch's own period is 16). The credit stays a
     probability's difference: ``p[c]`` is how much more likely than a first-seen page a page at count c
     is to come back, so it is non-decreasing in c and 0 at count 1, and the policy's order stays
@@ -208,7 +211,7 @@ class CountLift(_Arrivals):
 
     def size_for(self, pages: int) -> None:
         """The memory for a pool of ``pages`` (the flows learned so far are kept)."""
-        self.memory = max(LIFT_MEMORY_PER_PAGE * pages, LIFT_MEMORY_FLOOR)
+        self.memory = max(LIFT_MEMORY_PER_PAGE * pages, MIN_MEMORY)
 
     @staticmethod
     def _curve(lift: float) -> list[float]:
@@ -229,7 +232,7 @@ class CountLift(_Arrivals):
         """The lift the flows show now (1 while they are too few to say)."""
         arrivals = self.arrivals
         gated = sum(arrivals[c] for c in LIFT_GATED)
-        if arrivals[1] < LIFT_EVIDENCE or gated < LIFT_EVIDENCE:
+        if arrivals[1] < EVIDENCE or gated < EVIDENCE:
             return 1.0
         once = arrivals[2] / arrivals[1]
         more = sum(arrivals[c + 1] for c in LIFT_GATED) / gated

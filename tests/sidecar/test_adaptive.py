@@ -113,7 +113,7 @@ def test_a_small_pools_sketch_remembers_as_long_as_its_floors_say():
     sketch = FrequencySketch(1000)
     assert sketch.nbytes == frequency.MIN_CELLS
     sketch.add(["kept", "kept"])
-    sketch.add([("once", i) for i in range(frequency.MIN_PERIOD - 3)])
+    sketch.add([("once", i) for i in range(frequency.MIN_MEMORY - 3)])
     assert sketch.halvings == 0 and sketch.count("kept") == 2
     sketch.add(["last"])
     assert sketch.halvings == 1 and sketch.count("kept") == 1

@@ -31,35 +31,28 @@ from kvpool_sidecar.config import SelfTuning
 from kvpool_sidecar.frequency import COUNT_CAP
 from kvpool_sidecar.policies import credit_scale
 
-# Below this a sampled shadow ranks the candidates badly: sample more keys. Measured on the chat
-# trace at 1-10 %: shadows of 512 pages and more chose as well as unsampled ones; at 256 the tuner
-# held LRU for a quarter of the trace at 5 % (0.2189 against 0.2233).
+# Below this a sampled shadow ranks the candidates badly: sample more keys (on the chat trace at
+# 1-10 %, shadows of 512 pages chose as well as unsampled ones; shadows of 256 held LRU far longer).
 MIN_SHADOW_PAGES = 512
-# The shared partition's: chat's best weights there are close neighbours (0.03-0.12 on the count's
-# lift), and shadows of 512 pages told them apart late (chat at 5 %: 0.2221, sampled 1 in 16). Larger
-# shadows cost: six unsampled ones took a chat replay from about 2x LRU's time to 5-8.5x at 2-5 %
-# (cachegrind). So the shared partition samples one key in at least SHARED_MIN_SHIFT powers of two (4)
-# while its shadows keep MIN_SHADOW_PAGES, and more only while they keep SHARED_MIN_SHADOW_PAGES:
-# chat at 5 % 0.2264, about 2x LRU's time at every capacity (session 21).
-SHARED_MIN_SHADOW_PAGES = 2048
+# The shared partition's candidates are close neighbours (their credits differ by the count's lift,
+# a few hundredths): its shadows sample at most one key in 2**SHARED_MIN_SHIFT while they keep
+# MIN_SHADOW_PAGES, and fewer only while they keep that many times more. Unsampled shadows took a
+# chat replay to 5-8.5x LRU's time (cachegrind); these keep it about 2x.
 SHARED_MIN_SHIFT = 2
 _DECIDE_EVERY = 16  # sampled requests between two decisions
-_WARMUP_SAMPLES = 64  # sampled requests before the first decision
 # How consistent a challenger's lead must be: its decayed sum of per-interval leads over at least
 # this many times the root of their decayed sum of squares. A steady lead passes after this many
-# squared intervals (4); a lead that comes and goes (sampling noise, phases) needs far more.
+# squared intervals (4), so no decision comes before; a lead that comes and goes (sampling noise,
+# phases) needs far more.
 SIGNIFICANCE = 2.0
 # The leads remember this many times the scores' horizon (and start again at each switch): the
 # margin asks a lead to have gained, in hits, ``marginPercent`` of what the candidate in force hits
-# over one horizon, which is what a switch may cost. With the scores' own memory a lead under the
-# margin per request never added up to it: unsampled shadows held LRU for a third of the chat trace
-# at 10 % (0.2986; a quarter and 0.2998 with this memory).
+# over one horizon, which is what a switch may cost; with the scores' own memory a lead under the
+# margin per request never added up to it, and the tuner held LRU where a credit paid.
 LEAD_MEMORY = 4.0
 # A lead is never below minus this many margins (its squares then start again from the floor's): a
-# candidate that was worse in an earlier phase is not made to repay that phase once it leads. Without
-# it, a weight chosen rightly and then outgrown held for thousands of requests: on the to-b-burst
-# synth trace of seed 5 at 2 % the default stayed at 0.1 to the end (0.0034 under LRU; 0.0007 with
-# the floor, and no row of the shipped traces and synth seeds 1-8 more than 0.002 under LRU).
+# candidate that was worse in an earlier phase is not made to repay that phase once it leads, so
+# after a change of traffic the tuner follows within a few intervals, not thousands of requests.
 LEAD_FLOOR = 1.0
 
 
@@ -118,7 +111,7 @@ class SelfTuner:
     def __init__(self, pages: int, gamma: float, settings: SelfTuning, shared: bool = False) -> None:
         """A tuner of a partition of ``pages``: the shared one (``shared``) or the to-B one, which
         differ in their candidates (``SelfTuning.candidates``) and shadow sizes (see the floors)."""
-        floor = SHARED_MIN_SHADOW_PAGES if shared else MIN_SHADOW_PAGES
+        floor = MIN_SHADOW_PAGES << SHARED_MIN_SHIFT if shared else MIN_SHADOW_PAGES
         shift = 0
         while (1 << (shift + 1)) <= settings.sampleOneIn and pages >> (shift + 1) >= floor:
             shift += 1
@@ -192,7 +185,7 @@ class SelfTuner:
         self._batched += len(sampled)
         self.sampled += 1
         self._since += 1
-        deciding = self._since >= _DECIDE_EVERY and self.sampled >= _WARMUP_SAMPLES
+        deciding = self._since >= _DECIDE_EVERY and self.sampled >= SIGNIFICANCE**2 * _DECIDE_EVERY
         if deciding or self._batched >= self._batch_pages:
             self.flush(p)
         if not deciding:
