@@ -7,9 +7,12 @@ difference of two runs, so that start-up and loading cancel out:
 
 * ``pool_ops``: the conversation trace replayed once through an LRU pool at 5 % (``bench/pool_ops.py
   --repeat 1`` minus ``--repeat 0``);
-* ``eviction``: 20,000 evictions from a full pool of 200,000 pages under the workload-aware policy
+* ``eviction``: 20,000 evictions from a full pool of 200,000 pages under the default policy
   alone (``bench/eviction.py --alone --evictions 20000`` minus ``--evictions 0``; before ``--alone``
-  the first count also held an LRU pool's fill and evictions).
+  the first count also held an LRU pool's fill and evictions);
+* ``replay``: the conversation trace replayed once through a pool at 2 % with the default policy, its
+  counts, curves and self-tuner's shadows (``bench/replay_time.py --replay-once workload_adaptive``
+  minus ``--load-only``).
 
 Both commits run this checkout's benchmark scripts, each against its own package (PYTHONPATH).
 """
@@ -27,9 +30,10 @@ from worktrees import checked_out
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHES = {
-    "pool_ops": (["bench/pool_ops.py", "--capacity", "0.05", "--memory-pages", "0", "--repeat"], "1", "0"),
+    "pool_ops": (["bench/pool_ops.py", "--capacity", "0.05", "--memory-pages", "0", "--repeat"], ["1"], ["0"]),
     "eviction": (["bench/eviction.py", "--policy", "workload_adaptive", "--alone", "--pages", "200000", "--evictions"],
-                 "20000", "0"),
+                 ["20000"], ["0"]),
+    "replay": (["bench/replay_time.py", "--capacity", "0.02"], ["--replay-once", "workload_adaptive"], ["--load-only"]),
 }
 
 
@@ -46,7 +50,7 @@ def instructions(source: Path, args: list[str]) -> int:
 def measure(source: Path) -> dict[str, int]:
     out = {}
     for name, (args, loaded, empty) in BENCHES.items():
-        out[name] = instructions(source, [*args, loaded]) - instructions(source, [*args, empty])
+        out[name] = instructions(source, [*args, *loaded]) - instructions(source, [*args, *empty])
     return out
 
 
