@@ -40,3 +40,24 @@ def test_no_policy_is_probed_for_what_it_has() -> None:
     """The policy protocol is complete (``policies/base.py``): the pool never asks with getattr."""
     for path in (ROOT / "sidecar/kvpool_sidecar/pool").glob("*.py"):
         assert "getattr(" not in path.read_text(), path
+
+
+def foreign_private_reads(path: Path) -> list[str]:
+    """Private names a module reads that it does not define: ``other._x``, or ``self._x`` set elsewhere."""
+    tree = ast.parse(path.read_text())
+    own = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+    own |= {t.attr for n in ast.walk(tree) if isinstance(n, ast.Assign | ast.AnnAssign | ast.AugAssign)
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Attribute)}
+    return sorted(
+        f"{path.name}:{node.lineno} {ast.unparse(node)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in own)
+    )
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "sidecar/kvpool_sidecar/pool").glob("*.py")), ids=lambda p: p.name)
+def test_no_part_of_the_pool_reads_another_parts_private_state(path: Path) -> None:
+    """The pool is composed (a page table, eviction, pins, sequences, frequencies): each part reaches the
+    others through their public fields and methods, never their private ones."""
+    assert foreign_private_reads(path) == []

@@ -69,14 +69,14 @@ def test_a_prefix_never_goes_before_its_continuation():
     """With a strong credit the victim is always a leaf: no eviction has to take cached descendants along."""
     pool = PagePool(60, adaptive(1.0), clock=lambda: 0.0)
     cascades = 0
-    evict_descendants = pool._evict_descendants
+    evict_descendants = pool.eviction._evict_descendants
 
     def counted(page: int) -> list[int]:
         nonlocal cascades
         cascades += 1
         return evict_descendants(page)
 
-    pool._evict_descendants = counted
+    pool.eviction._evict_descendants = counted
     rng = random.Random(3)
     for i in range(600):
         base = rng.randrange(6)

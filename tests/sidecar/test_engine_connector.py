@@ -207,7 +207,7 @@ def test_request_params_choose_nothing_unless_the_deployment_trusts_them():
         # A client naming another tenant and the to-B class: the configured defaults apply.
         assert side.meta_of({"tenant": "alice", "workload_class": "toB"}) == {"tenant": "acme"}
         assert wait_for(side, "attacker", hashes(3), 13, 0, {"tenant": "alice", "workload_class": "toB"}) == 3 * PS
-        seq = sidecar.pool._seqs[next(iter(sidecar.pool._seqs))]
+        seq = sidecar.pool.sequences.live[next(iter(sidecar.pool.sequences.live))]
         assert (seq.meta.tenant, seq.meta.workload_class) == ("acme", "toC")
         trusting = SchedulerSide(link, PS, session="t", lookup_wait=0.5, trust_request_params=True)
         assert trusting.meta_of({"tenant": "alice"}) == {"tenant": "alice"}

@@ -43,10 +43,10 @@ def run(pool: PagePool, seq: str, tokens: list[int], meta: WorkloadMeta = Worklo
 def snapshot(pool: PagePool) -> tuple:
     return (
         pool.stats(),
-        list(pool._ref),
-        dict(pool._index),
-        list(pool._free),
-        list(pool._pins),
+        list(pool.table.ref),
+        dict(pool.table.index),
+        list(pool.table.free),
+        list(pool.table.pins),
         [p.order() for p in pool.policies],  # type: ignore[attr-defined]
         sorted(pool.pins),
     )
@@ -499,7 +499,7 @@ def test_a_failing_observer_never_fails_an_admission_nor_leaks_a_page():
 
     for tuner in pool.tuners().values():
         tuner.observe = broken
-    pool._sketch.add = broken
+    pool.frequencies._sketch.add = broken
     pool.model.observe_reuse = broken
     pool.model.observe_release = broken
     for i in range(40):  # enough to fill the pool and evict: hits, reuses and evictions all observed

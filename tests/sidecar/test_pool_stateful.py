@@ -292,15 +292,15 @@ class PoolMachine(RuleBasedStateMachine):
         for scope, tokens in self.ever:
             salt = None if scope == "shared" else tenant_salt(scope)
             keys = chain_token_keys(list(tokens), PS, salt, frozenset([SHARED_FIRST]))
-            page = pool._index.get(keys[-1])
+            page = pool.table.index.get(keys[-1])
             if page is None:
                 continue
-            assert pool._key[page] == keys[-1]
-            parent = pool._parent[page]
+            assert pool.table.key[page] == keys[-1]
+            parent = pool.table.parent[page]
             if len(keys) == 1:
                 assert parent == NO_PAGE, f"I3: first page {page} has a parent"
             else:
-                assert parent != NO_PAGE and pool._key[parent] == keys[-2], f"I3: page {page}'s parent is wrong"
+                assert parent != NO_PAGE and pool.table.key[parent] == keys[-2], f"I3: page {page}'s parent is wrong"
 
 
 class RoomyPool(PoolMachine):

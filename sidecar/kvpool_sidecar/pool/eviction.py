@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from kvpool_sidecar.keys import workload_class_of
-from kvpool_sidecar.policies import NO_PAGE
-from kvpool_sidecar.pool.records import PARTITIONS
+from kvpool_sidecar.policies import NO_PAGE, EvictionPolicy
+from kvpool_sidecar.pool.pages import PageTable
+from kvpool_sidecar.pool.records import PARTITIONS, PoolSettings
 
 
 def _one_at_a_time(victim: Callable[[float], int], now: float, count: int, named: list[int]) -> Iterator[int]:
@@ -25,76 +26,83 @@ def _one_at_a_time(victim: Callable[[float], int], now: float, count: int, named
 
 
 class Eviction:
-    """Allocation and eviction; a part of :class:`~kvpool_sidecar.pool.PagePool`."""
+    """The partitions' pages and their policies over a :class:`~.pages.PageTable`: who gets which page."""
 
-    def _init_eviction(self) -> None:
-        self._owned = [0, 0]  # pages in use or cached, by partition
-        self._caps = [self.total_pages, 0]  # each partition's share: its pages in use or pinned stay within it
-        self._limits = [self.total_pages, 0]  # the pages each may hold: to-C borrows to-B's idle share
+    def __init__(self, table: PageTable, policies: list[EvictionPolicy], settings: PoolSettings) -> None:
+        self.table = table
+        self.policies = policies  # one per partition (a handover stands in one during a switch)
+        self.owned = [0, 0]  # pages in use or cached, by partition
         self.evictions = 0
         self.pre_evictions = 0
         self.evictions_by: dict[tuple[str, str], int] = {}  # (partition, reason) -> pages
+        self.configure(settings)
 
-    def _obtainable(self, part: int, exclude: list[int]) -> int:
+    def configure(self, settings: PoolSettings) -> None:
+        self.caps = list(settings.caps)  # each partition's share: its pages in use or pinned stay within it
+        self.limits = list(settings.limits)  # the pages each may hold: to-C borrows to-B's idle share
+        self.window_of = settings.window_of
+        self.low_watermark = settings.low_watermark
+
+    def obtainable(self, part: int, exclude: list[int]) -> int:
         """Pages that partition ``part`` could get now, if the pages in ``exclude`` stop being evictable.
 
         Free pages and, up to its limit, the other partition's evictable pages past that one's share;
         then its own evictable pages. Whatever it gets, its pages in use or pinned stay within its share
-        (:meth:`_share_left`): the other partition's share is then always free or one eviction away.
+        : the other partition's share is then always free or one eviction away.
         """
-        policies = self._policies
+        policies = self.policies
         evictable = [len(policies[0]), len(policies[1])]
-        ref = self._ref
-        pins = self._pins
-        part_of = self._part
+        ref = self.table.ref
+        pins = self.table.pins
+        part_of = self.table.part
         for page in exclude:
             if not ref[page] and not pins[page]:  # cached, unpinned: in its policy (I1)
                 evictable[part_of[page]] -= 1
         other = 1 - part
-        room = self._limits[part] - self._owned[part]
-        spare = min(evictable[other], max(self._owned[other] - self._caps[other], 0))
-        reachable = evictable[part] + min(max(room, 0), len(self._free) + spare)
-        return min(reachable, self._caps[part] - (self._owned[part] - evictable[part]))
+        room = self.limits[part] - self.owned[part]
+        spare = min(evictable[other], max(self.owned[other] - self.caps[other], 0))
+        reachable = evictable[part] + min(max(room, 0), len(self.table.free) + spare)
+        return min(reachable, self.caps[part] - (self.owned[part] - evictable[part]))
 
-    def _surely_obtainable(self, part: int, need: int, excluded: int) -> bool:
+    def surely_obtainable(self, part: int, need: int, excluded: int) -> bool:
         """Whether ``need`` pages are obtainable by a lower bound of :meth:`_obtainable` that does not
         look at the excluded pages (each makes at most one page of one partition unevictable): enough
         for the admission check of a big pool, and mostly decided by the partition's own pages."""
-        own = len(self._policies[part])
-        if self._caps[part] - (self._owned[part] - own) - excluded < need:
+        own = len(self.policies[part])
+        if self.caps[part] - (self.owned[part] - own) - excluded < need:
             return False
         own -= excluded
         if own >= need:
             return True
-        room = self._limits[part] - self._owned[part]
+        room = self.limits[part] - self.owned[part]
         if room <= 0:
             return False
         other = 1 - part
-        spare = max(min(len(self._policies[other]) - excluded, self._owned[other] - self._caps[other]), 0)
-        return max(own, 0) + min(room, len(self._free) + spare) >= need
+        spare = max(min(len(self.policies[other]) - excluded, self.owned[other] - self.caps[other]), 0)
+        return max(own, 0) + min(room, len(self.table.free) + spare) >= need
 
     def borrowed(self, part: int) -> int:
         """Pages ``part`` holds past its share: the other partition's idle share, which it gets back one
         eviction per page."""
-        return max(self._owned[part] - self._caps[part], 0)
+        return max(self.owned[part] - self.caps[part], 0)
 
-    def _reach(self, part: int) -> int:
+    def reach(self, part: int) -> int:
         """The pages ``part`` can hold now: its limit, less what the other partition holds within its
         own share (pages past that share come back to ``part`` one eviction each)."""
         other = 1 - part
-        return min(self._limits[part], self.total_pages - min(self._owned[other], self._caps[other]))
+        return min(self.limits[part], self.table.total_pages - min(self.owned[other], self.caps[other]))
 
-    def _allocate(self, part: int, count: int, now: float) -> list[int]:
+    def allocate(self, part: int, count: int, now: float) -> list[int]:
         """Hand out ``count`` pages to ``part``; the caller checked :meth:`_obtainable` first.
 
         Free pages first (in bulk), then evictions; the eviction of a leaf is inlined: it is the hot
         path of a full pool.
         """
-        free = self._free
-        owned = self._owned
-        limit = self._limits[part]
-        part_of = self._part
-        ref = self._ref
+        free = self.table.free
+        owned = self.owned
+        limit = self.limits[part]
+        part_of = self.table.part
+        ref = self.table.ref
         take = min(count, len(free), max(limit - owned[part], 0))
         if take:
             pages = free[-take:]
@@ -105,13 +113,13 @@ class Eviction:
             pages = []
         rest = count - take
         other = 1 - part
-        if rest and owned[part] < limit and owned[other] > self._caps[other]:
+        if rest and owned[part] < limit and owned[other] > self.caps[other]:
             # The other partition holds pages past its share (borrowed, or a live resize shrank it): it
             # gives them back, one eviction each (a cascade may free several at once), while it has
             # evictable ones; the rest come from this partition's own, as _obtainable counted them.
-            policy = self._policies[other]
+            policy = self.policies[other]
             while len(pages) < count and owned[part] < limit and (
-                free or (owned[other] > self._caps[other] and len(policy))
+                free or (owned[other] > self.caps[other] and len(policy))
             ):
                 if not free:
                     self._evict_one(other, now, "reclaimed")
@@ -123,7 +131,7 @@ class Eviction:
             ref[page] = 1
         if rest:
             pages += self._evict_for(part, rest, now)  # its pages are already ``part``'s, refcount 1
-        self._in_use += count
+        self.table.in_use += count
         return pages
 
     def _evict_for(self, part: int, count: int, now: float) -> list[int]:
@@ -132,7 +140,7 @@ class Eviction:
         while len(pages) < count:  # a bulk policy may stop early
             more = self._evict_batch(part, count - len(pages), now)
             if not more:  # a broken policy must not hang the request path
-                raise RuntimeError(f"eviction policy {self._policies[part].name!r} named no victim")
+                raise RuntimeError(f"eviction policy {self.policies[part].name!r} named no victim")
             pages += more
         return pages
 
@@ -143,17 +151,17 @@ class Eviction:
         The loop is the hot path of a full pool: a victim is nearly always a leaf (its descendants
         were released after it, so they went first) and an only child.
         """
-        policy = self._policies[part]
+        policy = self.policies[part]
         bulk = policy.victims if policy.bulk else None
-        ref = self._ref
-        first_child = self._first_child
-        parent_of = self._parent
-        key = self._key
-        index = self._index
-        next_sib = self._next_sib
-        last = self._last
-        removed = self.removed_keys
-        threshold = now - self._window_of(PARTITIONS[part])
+        ref = self.table.ref
+        first_child = self.table.first_child
+        parent_of = self.table.parent
+        key = self.table.key
+        index = self.table.index
+        next_sib = self.table.next_sib
+        last = self.table.last
+        removed = self.table.removed_keys
+        threshold = now - self.window_of(PARTITIONS[part])
         expired = 0
         pages: list[int]
         batch: Iterable[int]
@@ -185,7 +193,7 @@ class Eviction:
                     first_child[parent] = NO_PAGE  # an only child; its own stale parent link is
                     # never read: a page gets a parent (or NO_PAGE) when it is published again
                 else:
-                    self._unlink(page)
+                    self.table.unlink(page)
             ref[page] = 1
         else:
             evicted = len(pages)
@@ -201,22 +209,22 @@ class Eviction:
 
         Counts what it evicts; its caller counts none of it.
         """
-        policy = self._policies[part]
-        window = self._window_of(PARTITIONS[part])
-        free = self._free
-        owned = self._owned
+        policy = self.policies[part]
+        window = self.window_of(PARTITIONS[part])
+        free = self.table.free
+        owned = self.owned
         # A partition over its share (shrunk by a live resize) keeps its size while it serves its own
         # requests one page for one, as the leaf path does; it must not then fall short of the pages
         # _obtainable counted (its own evictable ones) because its cascades freed them past its cap.
-        cap = max(self._limits[part], owned[part])
+        cap = max(self.limits[part], owned[part])
         pages: list[int] = []
         expired = victims = 0
         cascaded = [0, 0]  # descendants taken along, by their partition (a hit can cross partitions)
         while True:
-            if self._first_child[page] != NO_PAGE:
+            if self.table.first_child[page] != NO_PAGE:
                 for p in self._evict_descendants(page):
-                    cascaded[self._part[p]] += 1
-            if now - self._last[page] > window:
+                    cascaded[self.table.part[p]] += 1
+            if now - self.table.last[page] > window:
                 expired += 1
             self._drop(page)  # freed, then taken back below with the pages its descendants freed
             owned[part] += 1
@@ -229,8 +237,8 @@ class Eviction:
                 break
             page = policy.victim(now)
         for page in pages:  # a cascade may free pages of the other partition
-            self._part[page] = part
-            self._ref[page] = 1
+            self.table.part[page] = part
+            self.table.ref[page] = 1
         self._count_evictions(part, "expired", expired)
         self._count_evictions(part, "capacity", victims - expired)
         for other, n in enumerate(cascaded):  # evicted to make room, whatever their age
@@ -244,12 +252,12 @@ class Eviction:
 
     def _evict_one(self, part: int, now: float, reason: str) -> int:
         """Evict the policy's victim (and its descendants); returns the pages freed."""
-        before = len(self._free)
-        page = self._policies[part].victim(now)
-        if self._first_child[page] != NO_PAGE:
+        before = len(self.table.free)
+        page = self.policies[part].victim(now)
+        if self.table.first_child[page] != NO_PAGE:
             self._evict_descendants(page)
         self._drop(page)
-        freed = len(self._free) - before
+        freed = len(self.table.free) - before
         self._count_evictions(part, reason, freed)
         return freed
 
@@ -259,66 +267,60 @@ class Eviction:
         order: list[int] = []
         while stack:
             p = stack.pop()
-            child = self._first_child[p]
+            child = self.table.first_child[p]
             while child != NO_PAGE:
                 order.append(child)
                 stack.append(child)
-                child = self._next_sib[child]
+                child = self.table.next_sib[child]
         for p in reversed(order):
-            self._policies[self._part[p]].evict(p)
+            self.policies[self.table.part[p]].evict(p)
             self._drop(p)
         return order
 
     def _drop(self, page: int) -> None:
-        """Remove an evictable page from the index and the tree and free it."""
-        k = self._key[page]
-        del self._index[k]
-        if self.removed_keys is not None:
-            self.removed_keys.append(k)
-        self._key[page] = None
-        self._unlink(page)
-        self._owned[self._part[page]] -= 1
-        self._free.append(page)
+        """Remove a cached page (out of its policy already) from the index and the tree and free it."""
+        self.owned[self.table.part[page]] -= 1
+        self.table.forget(page)
         self.evictions += 1
 
-    def pre_evict(self, now: float | None = None, max_pages: int | None = None) -> int:
+    def pre_evict(self, now: float, max_pages: int | None = None) -> int:
         """Idle-time eviction: free expired pages, lowest value first, until the free share reaches the
         low watermark, so that a burst finds free pages instead of paying eviction on its request path.
 
         Only pages past their class's window are taken (a page still inside it may be reused); each
         partition's policy decides which of its pages is least valuable. Returns the pages freed.
         """
-        if not self.spec.preEviction.enabled:
+        target = self.low_watermark
+        if target is None:
             return 0
-        now = self.clock() if now is None else now
-        target = int(self.total_pages * self.spec.preEviction.lowWatermarkPercent / 100)
-        budget = self.total_pages if max_pages is None else max_pages
+        budget = self.table.total_pages if max_pages is None else max_pages
         freed = 0
-        for part, policy in enumerate(self._policies):
-            while len(self._free) < target and freed < budget and len(policy):
+        for part, policy in enumerate(self.policies):
+            while len(self.table.free) < target and freed < budget and len(policy):
                 page = policy.peek(now)
-                klass = self._klass[page]
-                window = self._window_of(workload_class_of(klass))
-                if now - self._last[page] <= window:
+                klass = self.table.klass[page]
+                window = self.window_of(workload_class_of(klass))
+                if now - self.table.last[page] <= window:
                     break  # the least valuable page is still fresh: nothing here is worth freeing
                 n = self._evict_one(part, now, "pre_eviction")
                 freed += n
                 self.pre_evictions += n
         return freed
 
-    def _check_eviction(self, free: set[int]) -> None:
+    def check(self, free: set[int]) -> None:
         """I5, I7 and the counters, from scratch."""
         owned = [0, 0]
-        for page in range(self.total_pages):
+        t = self.table
+        for page in range(t.total_pages):
             if page in free:
                 continue
-            owned[self._part[page]] += 1
-            evictable = self._ref[page] == 0 and self._key[page] is not None and self._pins[page] == 0
-            in_policy = page in self._policies[self._part[page]]
+            owned[t.part[page]] += 1
+            evictable = t.ref[page] == 0 and t.key[page] is not None and t.pins[page] == 0
+            in_policy = page in self.policies[t.part[page]]
             assert evictable == in_policy, f"I5: page {page} evictable={evictable} but in_policy={in_policy}"
-            assert page not in self._policies[1 - self._part[page]], f"I7: page {page} in the wrong policy"
-        assert owned == self._owned, f"I7: partition ownership {self._owned} != {owned}"
-        for i, policy in enumerate(self._policies):
+            assert page not in self.policies[1 - t.part[page]], f"I7: page {page} in the wrong policy"
+        assert owned == self.owned, f"I7: partition ownership {self.owned} != {owned}"
+        for i, policy in enumerate(self.policies):
             assert len(policy) <= owned[i], "I5: a policy holds more pages than its partition"
             policy.check()
         assert sum(self.evictions_by.values()) == self.evictions, "evictions by reason do not sum to the evictions"

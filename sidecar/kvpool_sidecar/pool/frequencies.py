@@ -10,15 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.frequency import COUNT_CAP, CountCurve, CountLift, FrequencySketch, FrequencyView, ReuseByCount
 from kvpool_sidecar.keys import TO_B
-from kvpool_sidecar.pool.records import PARTITIONS
+from kvpool_sidecar.pool.eviction import Eviction
+from kvpool_sidecar.pool.records import PARTITIONS, PoolSettings
 from kvpool_sidecar.pool.tuning import SelfTuner
 
 
 class PageFrequencies:
-    def _init_frequencies(self) -> None:
+    """Page counts, count curves and self-tuners by partition: an observer of a pool's admissions that
+    moves its policies' reuse weights (the policies of an :class:`~.eviction.Eviction`)."""
+
+    def __init__(self, eviction: Eviction) -> None:
+        self.eviction = eviction
         self._sketch = FrequencySketch(0)
         self._page_counts: list[int] = []  # per page, its count when last admitted (while counting)
         # The to-B partition's credit is the learned P(reuse | count): template bursts, where the count
@@ -27,17 +31,18 @@ class PageFrequencies:
         self._curves: list[CountCurve] = [ReuseByCount() if part == TO_B else CountLift() for part in PARTITIONS]
         self._tuners: list[SelfTuner | None] = [None] * len(PARTITIONS)
         self._tuner_shape: list[tuple | None] = [None] * len(PARTITIONS)
-        self._counting = False
+        self.counting = False
         self.tuning_switches = [0] * len(PARTITIONS)  # across tuner restarts (a counter for metrics)
 
-    def _frequency_view(self, part: int) -> FrequencyView:
+    def view(self, part: int) -> FrequencyView:
         return FrequencyView(self._page_counts, self._curves[part])
 
-    def _size_frequencies(self, spec: KVCachePolicySpec) -> None:
+    def configure(self, settings: PoolSettings) -> None:
         """Count pages (and tune) for the partitions whose policy ranks by counts; drop it otherwise."""
-        counted = [p.uses_frequency for p in self._policies]
-        self._counting = any(counted)
-        want = self.total_pages if self._counting else 0
+        self.window_of = settings.window_of
+        counted = [p.uses_frequency for p in self.eviction.policies]
+        self.counting = any(counted)
+        want = self.eviction.table.total_pages if self.counting else 0
         # Sized when a policy first counts; kept (unused) when a switch drops counting: freeing a million
         # pages' counts would stall the switch, and a switch back finds them ready.
         if want > self._sketch.pages:
@@ -46,10 +51,10 @@ class PageFrequencies:
             for curve in self._curves:
                 if isinstance(curve, CountLift):
                     curve.size_for(want)
-        tuning = spec.eviction.selfTuning
-        gamma = spec.eviction.weights.timeWindow or 1.0
-        for part, policy in enumerate(self._policies):
-            limit = self._limits[part]  # the pages it may hold: to-C's include to-B's idle share
+        tuning = settings.tuning
+        gamma = settings.gamma
+        for part, policy in enumerate(self.eviction.policies):
+            limit = self.eviction.limits[part]  # the pages it may hold: to-C's include to-B's idle share
             shape = (limit, gamma, tuning) if counted[part] and tuning.enabled and limit else None
             if shape != self._tuner_shape[part]:
                 self._tuner_shape[part] = shape
@@ -59,7 +64,7 @@ class PageFrequencies:
                 tuner = self._tuners[part]
                 policy.set_reuse_weight(None if tuner is None else tuner.weight)
 
-    def _count_pages(self, keys: list[Hashable], pages: list[int], part: int, workload_class: str,
+    def count(self, keys: list[Hashable], pages: list[int], part: int, workload_class: str,
                      now: float) -> None:
         """One admitted prompt: its pages counted, its partition's curve and tuner fed."""
         sketch = self._sketch
@@ -71,10 +76,10 @@ class PageFrequencies:
         curve = self._curves[part]
         curve.observe(before, sketch.halvings)
         if tuner is not None:
-            tuner.follow(self._reach(part))
-            window = self._window_of(workload_class)
+            tuner.follow(self.eviction.reach(part))
+            window = self.window_of(workload_class)
             if tuner.observe(keys, before, sampled, curve.p, window, now):
-                self._policies[part].set_reuse_weight(tuner.weight)
+                self.eviction.policies[part].set_reuse_weight(tuner.weight)
                 self.tuning_switches[part] += 1
 
     def tuners(self) -> dict[str, SelfTuner]:
@@ -86,8 +91,8 @@ class PageFrequencies:
         chose it, the switches so far, each candidate's recent shadow hit ratio and the count's lift in
         force (the shared partition's; None for the to-B one, which learns P(reuse | count) instead)."""
         out: dict[str, dict] = {}
-        for part, policy in enumerate(self._policies):
-            if not policy.uses_frequency or not self._limits[part]:
+        for part, policy in enumerate(self.eviction.policies):
+            if not policy.uses_frequency or not self.eviction.limits[part]:
                 continue  # a partition with no pages ranks nothing
             tuner = self._tuners[part]
             out[PARTITIONS[part]] = {

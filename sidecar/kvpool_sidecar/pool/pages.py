@@ -1,43 +1,51 @@
-"""Per-page state (struct of arrays), the prefix index, the free stack and the tree links.
+"""The page table: per-page state (struct of arrays), the prefix index, the free stack and the tree links.
 
-Page state lives in parallel lists indexed by page id: it is what keeps the hot paths free of object
-allocation and a cached page at a few hundred bytes (see ``bench/eviction.py`` for the figure per
-policy). Owns I1 (one state per page), I2 (the index holds only committed full pages) and I4 (no
-orphans: an indexed page's parent is indexed).
+Plain data with public fields, as vLLM's BlockPool keeps its blocks, and the few methods that keep the
+index and the tree consistent; the other parts of the pool (:mod:`.eviction`, :mod:`.pins`,
+:mod:`.sequences`) read and write the fields they own by name. Page state lives in parallel lists
+indexed by page id: it is what keeps the hot paths free of object allocation and a cached page at a
+few hundred bytes (see ``bench/eviction.py`` for the figure per policy). Owns I1 (one state per page),
+I2 (the index holds only committed full pages) and I4 (no orphans: an indexed page's parent is indexed).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable
 
-from kvpool_sidecar.policies import NO_PAGE
+from kvpool_sidecar.policies import NO_PAGE, PageTree
 from kvpool_sidecar.pool.records import SeqState
 
 
 class PageTable:
-    """The pages' arrays and the prefix tree; a part of :class:`~kvpool_sidecar.pool.PagePool`."""
+    """The pages' arrays and the prefix tree of a :class:`~kvpool_sidecar.pool.PagePool`."""
 
-    def _init_pages(self, n: int) -> None:
+    def __init__(self, n: int) -> None:
         self.total_pages = n
-        self._ref = [0] * n
-        self._key: list[Hashable | None] = [None] * n
-        self._parent = [NO_PAGE] * n
-        self._first_child = [NO_PAGE] * n
-        self._next_sib = [NO_PAGE] * n
-        self._prev_sib = [NO_PAGE] * n
-        self._part = bytearray(n)  # partition index per page: a byte, not a list's 8
-        self._last = [0.0] * n
-        self._user: list[str] = [""] * n  # who first computed the page (cross-user reuse)
-        self._klass: list[Hashable] = [None] * n  # statistics class of the request that last released it
-        self._index: dict[Hashable, int] = {}
-        self._free = list(range(n - 1, -1, -1))  # a stack: page 0 is handed out first
-        self._in_use = 0  # pages with refcount > 0
+        self.ref = [0] * n  # sequences holding the page (the sequences' page tables own the count)
+        self.pins = array("I", bytes(4 * n))  # pins per page, 4 bytes a page (:mod:`.pins` keeps them)
+        self.key: list[Hashable | None] = [None] * n
+        self.parent = [NO_PAGE] * n
+        self.first_child = [NO_PAGE] * n
+        self.next_sib = [NO_PAGE] * n
+        self.prev_sib = [NO_PAGE] * n
+        self.part = bytearray(n)  # partition index per page: a byte, not a list's 8
+        self.last = [0.0] * n
+        self.user: list[str] = [""] * n  # who first computed the page (cross-user reuse)
+        self.klass: list[Hashable] = [None] * n  # statistics class of the request that last released it
+        self.index: dict[Hashable, int] = {}
+        self.free = list(range(n - 1, -1, -1))  # a stack: page 0 is handed out first
+        self.in_use = 0  # pages with refcount > 0
         # Keys that left the index, in order, while someone follows them (the engine's KV events:
         # the sidecar drains this list under the pool's lock); None: nobody does, nothing is kept.
         self.removed_keys: list[Hashable] | None = None
 
-    def _cached_prefix(self, keys: list[Hashable]) -> list[int]:
-        index = self._index
+    def tree(self) -> PageTree:
+        """The tree links, for the policies that walk them."""
+        return PageTree(self.parent, self.first_child, self.next_sib)
+
+    def cached_prefix(self, keys: list[Hashable]) -> list[int]:
+        index = self.index
         hits: list[int] = []
         for key in keys:
             page = index.get(key)
@@ -46,14 +54,14 @@ class PageTable:
             hits.append(page)
         return hits
 
-    def _publish_fresh(self, pages: list[int], start: int, keys: list[Hashable], user: str) -> None:
+    def publish_fresh(self, pages: list[int], start: int, keys: list[Hashable], user: str) -> None:
         """Index ``pages[start:start + len(keys)]`` under ``keys``, none of which is indexed yet."""
         new_pages = pages[start : start + len(keys)]
-        self._index.update(zip(keys, new_pages, strict=True))
-        key_of = self._key
-        user_of = self._user
-        parent_of = self._parent
-        first_child = self._first_child
+        self.index.update(zip(keys, new_pages, strict=True))
+        key_of = self.key
+        user_of = self.user
+        parent_of = self.parent
+        first_child = self.first_child
         # The first page may join siblings under a published parent; each later one is the only
         # child of the page before it, which nobody else could reach (it was not indexed).
         parent = pages[start - 1] if start else NO_PAGE
@@ -64,8 +72,8 @@ class PageTable:
         if parent != NO_PAGE:
             head = first_child[parent]
             if head != NO_PAGE:
-                self._next_sib[page] = head
-                self._prev_sib[head] = page
+                self.next_sib[page] = head
+                self.prev_sib[head] = page
             first_child[parent] = page
         for i in range(1, len(new_pages)):
             parent = page
@@ -75,16 +83,16 @@ class PageTable:
             parent_of[page] = parent
             first_child[parent] = page
 
-    def _publish_contended(self, seq: SeqState, upto: int) -> None:
+    def publish_contended(self, seq: SeqState, upto: int) -> None:
         """Publish up to page ``upto`` when some keys are indexed already: by a fork sibling (the
         same page, nothing to do) or by another sequence, which blocks ours from there on."""
-        index = self._index
+        index = self.index
         pages = seq.pages
         for i in range(seq.published, upto):
             page = pages[i]
             holder = index.get(seq.keys[i])
             if holder is None:
-                self._publish_fresh(pages, i, [seq.keys[i]], seq.meta.user)
+                self.publish_fresh(pages, i, [seq.keys[i]], seq.meta.user)
             elif holder != page:
                 # Ours stays private (freed on release), and so do the pages after it, whose parent
                 # would not be ours.
@@ -93,46 +101,56 @@ class PageTable:
                 return
         seq.published = upto
 
-    def _unlink(self, page: int) -> None:
-        parent = self._parent[page]
+    def unlink(self, page: int) -> None:
+        parent = self.parent[page]
         if parent == NO_PAGE:
             return
-        prev, nxt = self._prev_sib[page], self._next_sib[page]
+        prev, nxt = self.prev_sib[page], self.next_sib[page]
         if prev != NO_PAGE:
-            self._next_sib[prev] = nxt
+            self.next_sib[prev] = nxt
         else:
-            self._first_child[parent] = nxt
+            self.first_child[parent] = nxt
         if nxt != NO_PAGE:
-            self._prev_sib[nxt] = prev
-        self._parent[page] = self._prev_sib[page] = self._next_sib[page] = NO_PAGE
+            self.prev_sib[nxt] = prev
+        self.parent[page] = self.prev_sib[page] = self.next_sib[page] = NO_PAGE
 
-    def _depth(self, page: int) -> int:
+    def forget(self, page: int) -> None:
+        """Take a cached page out of the index and the tree and free it."""
+        k = self.key[page]
+        del self.index[k]
+        if self.removed_keys is not None:
+            self.removed_keys.append(k)
+        self.key[page] = None
+        self.unlink(page)
+        self.free.append(page)
+
+    def depth(self, page: int) -> int:
         depth = 0
-        while self._parent[page] != NO_PAGE:
-            page = self._parent[page]
+        while self.parent[page] != NO_PAGE:
+            page = self.parent[page]
             depth += 1
         return depth
 
-    def _check_pages(self) -> set[int]:
+    def check(self) -> set[int]:
         """I1, I2 and I4 from scratch (refcounts are the pool's: they need the page tables); returns
         the free pages."""
         n = self.total_pages
-        free_set = set(self._free)
-        assert len(free_set) == len(self._free), "I1: a page is on the free stack twice"
+        free_set = set(self.free)
+        assert len(free_set) == len(self.free), "I1: a page is on the free stack twice"
         for page in range(n):
-            key = self._key[page]
+            key = self.key[page]
             in_free = page in free_set
-            states = (in_free, self._ref[page] > 0, self._ref[page] == 0 and key is not None)
+            states = (in_free, self.ref[page] > 0, self.ref[page] == 0 and key is not None)
             assert sum(states) == 1, f"I1: page {page} is in {sum(states)} states"
             if in_free:
                 assert key is None, f"I1: free page {page} has a key"
             elif key is not None:
-                assert self._index.get(key) == page, f"I2: index does not map page {page}'s key to it"
-                parent = self._parent[page]
-                assert parent == NO_PAGE or self._key[parent] is not None, f"I4: page {page} is an orphan"
-            child = self._first_child[page]
+                assert self.index.get(key) == page, f"I2: index does not map page {page}'s key to it"
+                parent = self.parent[page]
+                assert parent == NO_PAGE or self.key[parent] is not None, f"I4: page {page} is an orphan"
+            child = self.first_child[page]
             while child != NO_PAGE:
-                assert self._parent[child] == page, f"I4: tree link of page {child} is broken"
-                child = self._next_sib[child]
-        assert len(self._index) == sum(1 for k in self._key if k is not None), "I2: index size"
+                assert self.parent[child] == page, f"I4: tree link of page {child} is broken"
+                child = self.next_sib[child]
+        assert len(self.index) == sum(1 for k in self.key if k is not None), "I2: index size"
         return free_set

@@ -1,9 +1,11 @@
 """The pool: a fixed set of pages shared by prefix across sequences, with pins and partitions.
 
-:class:`PagePool` is the facade; each part of it owns its state and its invariants:
-:mod:`.pages` (I1, I2, I4), :mod:`.eviction` (I5, I7, the counters), :mod:`.pins` (I6),
-:mod:`.frequencies` (page counts and the self-tuner). The facade holds the live sequences
-and the all-or-nothing rule (I8: a call that raises leaves the pool as it was) and I9 (no leaks).
+:class:`PagePool` is a facade over parts it composes, each with its state and its invariants:
+:mod:`.pages` (the page table: I1, I2, I4), :mod:`.eviction` (I5, I7, the counters), :mod:`.pins`
+(I6), :mod:`.sequences` (the live sequences, I2's publishing) and :mod:`.frequencies` (page counts
+and the self-tuners, an observer). The parts read a :class:`~.records.PoolSettings`, not the spec.
+The facade holds admission and release, the all-or-nothing rule (I8: a call that raises leaves the
+pool as it was) and I9 (no leaks).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from kvpool_sidecar.errors import (
     DuplicateSequence,
     InvalidRequest,
     PoolExhausted,
-    UnknownSequence,
 )
 from kvpool_sidecar.keys import (
     DEFAULT_META,
@@ -29,14 +30,24 @@ from kvpool_sidecar.keys import (
     tenant_salt,
     turn_bucket,
 )
-from kvpool_sidecar.policies import EvictionPolicy, PageTree, PolicyContext, PolicyFactory, make_policy
+from kvpool_sidecar.policies import EvictionPolicy, PolicyContext, PolicyFactory, make_policy
 from kvpool_sidecar.pool.eviction import Eviction
 from kvpool_sidecar.pool.frequencies import PageFrequencies
 from kvpool_sidecar.pool.handover import Handover
 from kvpool_sidecar.pool.pages import PageTable
 from kvpool_sidecar.pool.pins import Pinning
-from kvpool_sidecar.pool.records import PARTITIONS, Admission, PartitionStats, Pin, PoolStats, SeqState
+from kvpool_sidecar.pool.records import (
+    PARTITIONS,
+    Admission,
+    ForkResult,
+    PartitionStats,
+    Pin,
+    PoolSettings,
+    PoolStats,
+    SeqState,
+)
 from kvpool_sidecar.pool.sequences import SequenceTable
+from kvpool_sidecar.pool.tuning import SelfTuner
 from kvpool_sidecar.workload import ReuseModel
 
 log = logging.getLogger("kvpool.pool")
@@ -46,7 +57,7 @@ log = logging.getLogger("kvpool.pool")
 HANDOVER_PAGES_PER_CALL = 64
 
 
-class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
+class PagePool:
     """A fixed set of ``total_pages`` pages of ``page_size`` tokens, shared by prefix across sequences.
 
     Invariants (checked by :meth:`check_invariants`, named so that code and tests agree):
@@ -79,41 +90,35 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
         spec = spec or KVCachePolicySpec()
         if total_pages < 1:
             raise InvalidRequest("total_pages must be at least 1", "total_pages")
+        settings = PoolSettings.of(spec, total_pages)
         self.page_size = spec.pageSize
         self.clock = clock
-        self._init_pages(total_pages)
-        self._init_sequences(max_sequences, max_sequence_tokens)
-        self._init_eviction()
-        self._init_pins(total_pages)
-        self._init_frequencies()
+        self.table = PageTable(total_pages)
+        self.eviction = Eviction(self.table, [], settings)
+        self.frequencies = PageFrequencies(self.eviction)
+        self.pinning = Pinning(self.table, self.eviction, settings)
+        self.sequences = SequenceTable(self.table, self.eviction, self.pinning, self.page_size, max_sequences,
+                                       max_sequence_tokens)
         self.model = ReuseModel(spec)
         self._fixed_factory = policy_factory
-        self._policies: list[EvictionPolicy] = [self._new_policy(spec, i) for i in range(len(PARTITIONS))]
+        self.eviction.policies[:] = [self._new_policy(spec, i) for i in range(len(PARTITIONS))]
         self._salts: dict[str, bytes] = {}
         # Cumulative counters (read by metrics; cheap ints on the hot path).
         self.hit_tokens = 0
         self.lookup_tokens = 0
         self.observer_errors = 0  # observers (statistics, tuners) that raised; the pool stayed exact
-        self.spec = spec
-        self._apply(spec)
+        self._apply(spec, settings)
 
-    def _apply(self, spec: KVCachePolicySpec) -> None:
-        n = self.total_pages
-        self._window_of = spec.workloads.window_of
-        to_b = int(n * spec.workloads.toB.isolationPercent / 100)
-        self._caps = [n - to_b, to_b]
-        self._limits = [n, to_b]  # to-B's share is its guarantee and its limit; to-C may borrow its idle pages
-        self.pin_quota = int(n * spec.pinning.quotaPercent / 100)
-        self._isolate = spec.tenancy.isolation == "perTenant"
-        self._shared_first = frozenset(spec.tenancy.sharedPrefixes)
-        self._autopin = spec.pinning.autoPin
-        self._class_by = (("requestType" in spec.learning.classBy), ("turn" in spec.learning.classBy))
-        self._size_frequencies(spec)
+    def _apply(self, spec: KVCachePolicySpec, settings: PoolSettings) -> None:
+        self.settings = settings
+        self.eviction.configure(settings)
+        self.pinning.configure(settings)
+        self.frequencies.configure(settings)
         self.spec = spec
 
     def _new_policy(self, spec: KVCachePolicySpec, part: int) -> EvictionPolicy:
-        tree = PageTree(self._parent, self._first_child, self._next_sib)
-        ctx = PolicyContext(spec, self._key.__getitem__, PARTITIONS[part], tree, self._frequency_view(part))
+        t = self.table
+        ctx = PolicyContext(spec, t.key.__getitem__, PARTITIONS[part], t.tree(), self.frequencies.view(part))
         if self._fixed_factory is not None:
             return self._fixed_factory(ctx)
         return make_policy(spec.eviction.policy, ctx)
@@ -130,41 +135,45 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
                 f"pageSize cannot change at runtime ({self.page_size} -> {spec.pageSize}): it needs a restart",
                 "pageSize",
             )
+        settings = PoolSettings.of(spec, self.total_pages)
+        policies = self.eviction.policies
         if spec.eviction.policy != self.spec.eviction.policy and self._fixed_factory is None:
             fresh = [self._new_policy(spec, i) for i in range(len(PARTITIONS))]  # may raise: nothing changed yet
             # The new policy takes the cached pages over a slice per call (see .handover), not all here.
-            self._policies = [Handover(old, new) for old, new in zip(self._policies, fresh, strict=True)]
+            policies[:] = [Handover(old, new) for old, new in zip(policies, fresh, strict=True)]
         self.model.configure(spec)
-        for policy in self._policies:
+        for policy in policies:
             policy.configure(spec)
-        self._apply(spec)
-        return self._fit_pins_to_quota()
+        self._apply(spec, settings)
+        return self.pinning.fit_to_quota(self.clock())
 
     def _handing_over(self) -> bool:
-        policies = self._policies
+        policies = self.eviction.policies
         return type(policies[0]) is Handover or type(policies[1]) is Handover
 
     def _hand_over(self, now: float, budget: int) -> None:
-        for part, policy in enumerate(self._policies):
-            if isinstance(policy, Handover) and policy.step(now, budget, self._depth, self._last, self._klass):
-                self._policies[part] = policy.new
+        t = self.table
+        policies = self.eviction.policies
+        for part, policy in enumerate(policies):
+            if isinstance(policy, Handover) and policy.step(now, budget, t.depth, t.last, t.klass):
+                policies[part] = policy.new
 
     def settle(self, now: float | None = None, max_pages: int = HANDOVER_PAGES_PER_CALL) -> bool:
         """A slice of the deferred work (expired pins lapsing, a policy switch's handover), for an idle
         moment or a background task; returns whether some is left."""
         now = self.clock() if now is None else now
-        self._expire_pins(now, max_pages)
+        self.pinning.expire(now, max_pages)
         if self._handing_over():
             self._hand_over(now, max_pages)
-        return bool(self._lapsing) or self._handing_over()
+        return bool(self.pinning.lapsing) or self._handing_over()
 
     @property
     def policies(self) -> tuple[EvictionPolicy, ...]:
-        return tuple(self._policies)
+        return tuple(self.eviction.policies)
 
     def class_of(self, meta: WorkloadMeta) -> ClassKey:
         """The statistics class of a request, less what ``learning.classBy`` leaves out."""
-        by_type, by_turn = self._class_by
+        by_type, by_turn = self.settings.class_by
         # tuple.__new__: a ClassKey without namedtuple's Python-level __new__ (1 % of an eviction's cost)
         return tuple.__new__(ClassKey, (meta.workload_class, meta.request_type if by_type else "",
                                         turn_bucket(meta.turn) if by_turn else 0))
@@ -185,9 +194,9 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
         """The keys of the request's full pages, and its length in tokens."""
         if self.max_sequence_tokens is not None:
             n = len(tokens) if tokens is not None else num_tokens or len(block_hashes or ()) * self.page_size
-            self._check_length(n, "tokens" if tokens is not None else "block_hashes")
-        salt = self._salt(meta.tenant) if salted(self._isolate, meta.tenant, tokens is not None) else None
-        return prompt_keys(tokens, block_hashes, num_tokens, self.page_size, salt, self._shared_first)
+            self.sequences.check_length(n, "tokens" if tokens is not None else "block_hashes")
+        salt = self._salt(meta.tenant) if salted(self.settings.isolate, meta.tenant, tokens is not None) else None
+        return prompt_keys(tokens, block_hashes, num_tokens, self.page_size, salt, self.settings.shared_first)
 
     def admit(
         self,
@@ -201,40 +210,38 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
     ) -> Admission:
         """Start a sequence: reuse its longest cached prefix and allocate pages for the rest."""
         now = self.clock() if now is None else now
-        if (self._pin_expiry and self._pin_expiry[0][0] <= now) or self._lapsing:
-            self._expire_pins(now)
+        if self.pinning.due(now):
+            self.pinning.expire(now)
         if self._handing_over():
             self._hand_over(now, HANDOVER_PAGES_PER_CALL)
-        if seq_id in self._seqs:
+        if seq_id in self.sequences.live:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists", "seq_id")
-        self._room_for_a_sequence()
+        self.sequences.room_for_one()
         keys, n = self._keys(tokens, block_hashes, num_tokens, meta)
         ps = self.page_size
-        hits = self._cached_prefix(keys)
+        hits = self.table.cached_prefix(keys)
         need = -(-n // ps) - len(hits)
-        part = 1 if meta.workload_class == TO_B and self._caps[1] > 0 else 0  # partition_of, inlined
-        if need > 0 and not self._surely_obtainable(part, need, len(hits)):
-            obtainable = self._obtainable(part, hits)
+        part = 1 if meta.workload_class == TO_B and self.eviction.caps[1] > 0 else 0  # partition_of, inlined
+        if need > 0 and not self.eviction.surely_obtainable(part, need, len(hits)):
+            obtainable = self.eviction.obtainable(part, hits)
             if need > obtainable:
                 raise PoolExhausted(need, obtainable, PARTITIONS[part])
         # From here on nothing raises (I8): statistics and tuners are observers (see _observe).
         cross_user, reuses = self._take_hits(hits, meta.user, now)
-        evictions = self.evictions
-        pages = hits + self._allocate(part, need, now) if need > 0 else hits
+        evictions = self.eviction.evictions
+        pages = hits + self.eviction.allocate(part, need, now) if need > 0 else hits
         cached_tokens = min(len(hits) * ps, n)
         self.hit_tokens += cached_tokens
         self.lookup_tokens += n
-        self._seqs[seq_id] = SeqState(seq_id, meta, part, pages, keys, n, n, cached_tokens, len(hits), False,
-                                      self.class_of(meta))
-        self._alloc_slots += len(pages) * ps
-        self._used_slots += n
+        self.sequences.add(SeqState(seq_id, meta, part, pages, keys, n, n, cached_tokens, len(hits), False,
+                                    self.class_of(meta)))
         for klass, reused, gap_sum in reuses:
             self._observe(self.model.observe_reuse, klass, reused, gap_sum, now)
-        if self._counting:
-            self._observe(self._count_pages, keys, pages, part, meta.workload_class, now)
-        if keys and self._autopin.enabled:
-            self._pin_hot_prefix(keys[0], hits, meta, now)
-        return Admission(seq_id, cached_tokens, pages, cross_user * ps, self.evictions - evictions, keys)
+        if self.frequencies.counting:
+            self._observe(self.frequencies.count, keys, pages, part, meta.workload_class, now)
+        if keys and self.pinning.autopin.enabled:
+            self.pinning.pin_hot_prefix(keys[0], hits, meta, now)
+        return Admission(seq_id, cached_tokens, pages, cross_user * ps, self.eviction.evictions - evictions, keys)
 
     def _observe(self, observer: Callable[..., object], *args: object) -> None:
         """Feed an observer of pool events (the reuse model, the sketch, the tuners): it may fail, the
@@ -252,13 +259,14 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
         """The admitted prefix's pages are in use again: out of their policies. Returns how many another
         user computed first, and the reuses to tell the model: (class that released them, pages, sum
         of their gaps), by the class that released each."""
-        ref = self._ref
-        pins = self._pins
-        last = self._last
-        policies = self._policies
-        part_of = self._part
-        klass_of = self._klass
-        user_of = self._user
+        t = self.table
+        ref = t.ref
+        pins = t.pins
+        last = t.last
+        policies = self.eviction.policies
+        part_of = t.part
+        klass_of = t.klass
+        user_of = t.user
         cross_user = 0
         reuses: list[tuple[Hashable, int, float]] = []
         reuse_class: Hashable = None
@@ -273,7 +281,7 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
                 if klass != reuse_class:
                     if reused:
                         reuses.append((reuse_class, reused, gap_sum))
-                        self._in_use += reused
+                        t.in_use += reused
                     reuse_class, reused, gap_sum = klass, 0, 0.0
                 reused += 1
                 gap_sum += now - last[page]
@@ -283,29 +291,30 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
             last[page] = now
         if reused:
             reuses.append((reuse_class, reused, gap_sum))
-            self._in_use += reused
+            t.in_use += reused
         return cross_user, reuses
 
     def release(self, seq_id: str, now: float | None = None) -> None:
         """The sequence is done: its published pages stay cached, the rest are freed."""
-        seq = self._seqs.pop(seq_id, None)
-        if seq is None:
-            raise UnknownSequence(f"no sequence {seq_id!r}", "seq_id")
+        seq = self.sequences.remove(seq_id)
         now = self.clock() if now is None else now
-        ref = self._ref
-        key = self._key
-        pins = self._pins
-        last = self._last
-        part = self._part
-        policies = self._policies
+        t = self.table
+        ref = t.ref
+        key = t.key
+        pins = t.pins
+        last = t.last
+        part = t.part
+        policies = self.eviction.policies
+        owned = self.eviction.owned
+        free = t.free
         klass = seq.klass
-        klass_of = self._klass
+        klass_of = t.klass
         pages = seq.pages
         home = seq.partition
         batch: list[int] = []
         held = 0  # pages another sequence still holds
         freed = 0  # pages never published: freed, not cached
-        pinned = self._pinned_pages
+        pinned = self.pinning.pinned_pages
         # Tail first, so that in recency order a prompt's head outlives its tail.
         for page in reversed(pages):
             if ref[page] != 1:
@@ -315,8 +324,8 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
             ref[page] = 0
             last[page] = now
             if key[page] is None:
-                self._owned[part[page]] -= 1
-                self._free.append(page)
+                owned[part[page]] -= 1
+                free.append(page)
                 freed += 1
                 continue
             klass_of[page] = klass
@@ -326,7 +335,7 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
                 batch.append(page)
             else:  # a hit on another partition's page goes back to that partition
                 policies[part[page]].insert([page], [pages.index(page)], seq.published, now, klass)
-        self._in_use -= len(pages) - held
+        t.in_use -= len(pages) - held
         if batch:
             # Nearly always the prompt's first pages (its unpublished tail was freed): their depths are
             # a range, known without a lookup.
@@ -342,8 +351,6 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
             # Every cached page, pinned or in the other partition too: each is reported again when it
             # is reused or forgotten, and the model counts those still waiting (at risk).
             self._observe(self.model.observe_release, klass, cached, now)
-        self._alloc_slots -= len(pages) * self.page_size
-        self._used_slots -= seq.num_tokens
 
     def lookup(
         self,
@@ -355,7 +362,7 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
     ) -> int:
         """How many leading tokens are cached now; changes nothing."""
         keys, n = self._keys(tokens, block_hashes, num_tokens, meta)
-        return min(len(self._cached_prefix(keys)) * self.page_size, n)
+        return min(len(self.table.cached_prefix(keys)) * self.page_size, n)
 
     def cached_prefix(
         self,
@@ -367,30 +374,30 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
     ) -> tuple[list[Hashable], list[int]]:
         """The keys of the prompt's full pages and the ids of its cached leading pages; changes nothing."""
         keys, _ = self._keys(tokens, block_hashes, num_tokens, meta)
-        return keys, self._cached_prefix(keys)
+        return keys, self.table.cached_prefix(keys)
 
     def stats(self) -> PoolStats:
         """Counts kept up to date by every operation: O(1), cheap enough for every scrape."""
-        in_use = self._in_use
-        free = len(self._free)
-        cached = self.total_pages - free - in_use
+        t, ev, seqs = self.table, self.eviction, self.sequences
+        in_use = t.in_use
+        free = len(t.free)
         parts = {
-            name: PartitionStats(self._caps[i], self._owned[i], len(self._policies[i]), self.borrowed(i))
+            name: PartitionStats(ev.caps[i], ev.owned[i], len(ev.policies[i]), ev.borrowed(i))
             for i, name in enumerate(PARTITIONS)
         }
         return PoolStats(
-            total_pages=self.total_pages,
+            total_pages=t.total_pages,
             page_size=self.page_size,
             free_pages=free,
             in_use_pages=in_use,
-            cached_pages=cached,
-            pinned_pages=self._pinned_pages,
-            pin_quota_pages=self.pin_quota,
-            sequences=len(self._seqs),
-            pins=len(self._pin_records),
-            fragmentation_tokens=self._alloc_slots - self._used_slots,
-            allocated_token_slots=self._alloc_slots,
-            evictions=self.evictions,
+            cached_pages=t.total_pages - free - in_use,
+            pinned_pages=self.pinning.pinned_pages,
+            pin_quota_pages=self.pinning.quota,
+            sequences=len(seqs.live),
+            pins=len(self.pinning.records),
+            fragmentation_tokens=seqs.alloc_slots - seqs.used_slots,
+            allocated_token_slots=seqs.alloc_slots,
+            evictions=ev.evictions,
             hit_tokens=self.hit_tokens,
             lookup_tokens=self.lookup_tokens,
             partitions=parts,
@@ -398,10 +405,144 @@ class PagePool(PageTable, SequenceTable, Eviction, Pinning, PageFrequencies):
 
     def check_invariants(self) -> None:
         """Recompute every invariant from scratch; raises AssertionError naming the one broken."""
-        free = self._check_pages()
-        self._check_sequences()
-        self._check_pins(free)
-        self._check_eviction(free)
-        if not self._seqs:
-            cached = sum(1 for k in self._key if k is not None)
-            assert len(self._free) + cached == self.total_pages, "I9: pages leaked"
+        free = self.table.check()
+        self.sequences.check()
+        self.pinning.check(free)
+        self.eviction.check(free)
+        if not self.sequences.live:
+            cached = sum(1 for k in self.table.key if k is not None)
+            assert len(self.table.free) + cached == self.table.total_pages, "I9: pages leaked"
+
+    # The parts' public operations and counters, as the pool's callers know them.
+
+    def pin(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        block_hashes: Sequence[Hashable] | None = None,
+        seq_id: str | None = None,
+        meta: WorkloadMeta = DEFAULT_META,
+        ttl: float | None = None,
+        now: float | None = None,
+    ) -> Pin:
+        """Protect a cached prefix (or a sequence's published pages) from eviction; ``ttl`` makes it lapse."""
+        now = self.clock() if now is None else now
+        self.pinning.expire(now)
+        if ttl is not None and ttl <= 0:
+            raise InvalidRequest("ttl must be above 0 seconds", "ttl")
+        if seq_id is not None:
+            if tokens is not None or block_hashes is not None:
+                raise InvalidRequest("pin either a seq_id or a prefix, not both", "seq_id")
+            seq = self.sequences.get(seq_id)
+            pages = seq.pages[: seq.published]
+        else:
+            keys, _ = self._keys(tokens, block_hashes, None, meta)
+            pages = self.table.cached_prefix(keys)
+        if not pages:
+            raise InvalidRequest("nothing of that prefix is cached to pin", "tokens" if seq_id is None else "seq_id")
+        return self.pinning.pin_pages(pages, ttl, now)
+
+    def unpin(self, pin_id: str, now: float | None = None) -> None:
+        self.pinning.unpin(pin_id, self.clock() if now is None else now)
+
+    def expire_pins(self, now: float | None = None, max_pages: int | None = None) -> None:
+        """Lapse the pins past their TTL now, ``max_pages`` pages at most (None: all); they otherwise
+        lapse a slice per pool call."""
+        self.pinning.expire(self.clock() if now is None else now, max_pages)
+
+    def commit(self, seq_id: str, num_computed_tokens: int, now: float | None = None) -> int:
+        """The KV of the first ``num_computed_tokens`` is written: publish the full pages (I2).
+
+        Returns how many pages the sequence has published in all."""
+        return self.sequences.commit(seq_id, num_computed_tokens, self.clock() if now is None else now)
+
+    def append(self, seq_id: str, num_new_tokens: int, now: float | None = None) -> list[int]:
+        """Decoding grew the sequence; returns the pages added when it crossed page boundaries."""
+        return self.sequences.append(seq_id, num_new_tokens, self.clock() if now is None else now)
+
+    def fork(self, seq_id: str, new_seq_id: str, now: float | None = None) -> ForkResult:
+        """Parallel sampling: share the full pages, copy the partial last page into a fresh one."""
+        return self.sequences.fork(seq_id, new_seq_id, self.clock() if now is None else now)
+
+    def sequence_pages(self, seq_id: str) -> list[int]:
+        return list(self.sequences.get(seq_id).pages)
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self.sequences.live
+
+    def pre_evict(self, now: float | None = None, max_pages: int | None = None) -> int:
+        """Idle-time eviction of expired pages down to the low watermark (:meth:`.Eviction.pre_evict`)."""
+        return self.eviction.pre_evict(self.clock() if now is None else now, max_pages)
+
+    def tuners(self) -> dict[str, SelfTuner]:
+        return self.frequencies.tuners()
+
+    def tuning(self) -> dict[str, dict]:
+        return self.frequencies.tuning()
+
+    @property
+    def pins(self) -> dict[str, Pin]:
+        return dict(self.pinning.records)
+
+    @property
+    def pin_count(self) -> int:
+        return len(self.pinning.records)
+
+    def pin_ids(self) -> set[str]:
+        """The live pins' ids (those past their TTL are gone once any pin call has run)."""
+        return set(self.pinning.records)
+
+    @property
+    def total_pages(self) -> int:
+        return self.table.total_pages
+
+    @property
+    def removed_keys(self) -> list[Hashable] | None:
+        return self.table.removed_keys
+
+    @removed_keys.setter
+    def removed_keys(self, keys: list[Hashable] | None) -> None:
+        self.table.removed_keys = keys
+
+    @property
+    def max_sequence_tokens(self) -> int | None:
+        return self.sequences.max_sequence_tokens
+
+    @property
+    def pin_quota(self) -> int:
+        return self.pinning.quota
+
+    @property
+    def lapsing_pages(self) -> int:
+        return self.pinning.lapsing_pages
+
+    @property
+    def evictions(self) -> int:
+        return self.eviction.evictions
+
+    @property
+    def evictions_by(self) -> dict[tuple[str, str], int]:
+        return self.eviction.evictions_by
+
+    @property
+    def pre_evictions(self) -> int:
+        return self.eviction.pre_evictions
+
+    @property
+    def autopins(self) -> int:
+        return self.pinning.autopins
+
+    @property
+    def autopins_refused(self) -> int:
+        return self.pinning.autopins_refused
+
+    @property
+    def autopins_displaced(self) -> int:
+        return self.pinning.autopins_displaced
+
+    @property
+    def tuning_switches(self) -> list[int]:
+        return self.frequencies.tuning_switches
+
+    def borrowed(self, part: int) -> int:
+        return self.eviction.borrowed(part)

@@ -1,10 +1,12 @@
-"""The records the pool hands out and keeps: admissions, forks, pins, stats, live sequences."""
+"""The records the pool hands out and keeps: admissions, forks, pins, stats, live sequences, and the
+settings its parts read (built from the spec, so that no part reads the spec itself)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from kvpool_sidecar.config import AutoPin, KVCachePolicySpec, SelfTuning
 from kvpool_sidecar.keys import TO_B, TO_C, WorkloadMeta
 
 PARTITIONS = (TO_C, TO_B)  # partition 0 is shared; partition 1, when sized, is to-B's own
@@ -77,3 +79,40 @@ class SeqState:
     publish_blocked: bool = False
     klass: Hashable = None  # its statistics class (PagePool.class_of), computed once
     autopin: str | None = None  # its auto-pin's id: one record, grown by its chunked commits
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """What the pool's parts read of a :class:`~kvpool_sidecar.config.KVCachePolicySpec`, for ``n`` pages."""
+
+    page_size: int
+    window_of: Callable[[str], float]  # a workload class's reuse window, in seconds
+    caps: tuple[int, int]  # each partition's share: its pages in use or pinned stay within it
+    limits: tuple[int, int]  # the pages each may hold: to-C borrows to-B's idle share
+    pin_quota: int
+    autopin: AutoPin
+    low_watermark: int | None  # free pages idle eviction keeps; None: off
+    tuning: SelfTuning
+    gamma: float  # the time window's weight, which the self-tuner's shadows rank by too
+    isolate: bool  # per-tenant keys
+    shared_first: frozenset[str]  # first pages every tenant shares
+    class_by: tuple[bool, bool]  # statistics classes by request type, by turn
+
+    @classmethod
+    def of(cls, spec: KVCachePolicySpec, n: int) -> PoolSettings:
+        to_b = int(n * spec.workloads.toB.isolationPercent / 100)
+        pre = spec.preEviction
+        return cls(
+            page_size=spec.pageSize,
+            window_of=spec.workloads.window_of,
+            caps=(n - to_b, to_b),
+            limits=(n, to_b),  # to-B's share is its guarantee and its limit
+            pin_quota=int(n * spec.pinning.quotaPercent / 100),
+            autopin=spec.pinning.autoPin,
+            low_watermark=int(n * pre.lowWatermarkPercent / 100) if pre.enabled else None,
+            tuning=spec.eviction.selfTuning,
+            gamma=spec.eviction.weights.timeWindow or 1.0,
+            isolate=spec.tenancy.isolation == "perTenant",
+            shared_first=frozenset(spec.tenancy.sharedPrefixes),
+            class_by=("requestType" in spec.learning.classBy, "turn" in spec.learning.classBy),
+        )
