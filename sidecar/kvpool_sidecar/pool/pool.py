@@ -210,38 +210,39 @@ class PagePool:
     ) -> Admission:
         """Start a sequence: reuse its longest cached prefix and allocate pages for the rest."""
         now = self.clock() if now is None else now
-        if self.pinning.due(now):
-            self.pinning.expire(now)
+        pinning, eviction, sequences = self.pinning, self.eviction, self.sequences
+        if pinning.due(now):
+            pinning.expire(now)
         if self._handing_over():
             self._hand_over(now, HANDOVER_PAGES_PER_CALL)
-        if seq_id in self.sequences.live:
+        if seq_id in sequences.live:
             raise DuplicateSequence(f"sequence {seq_id!r} already exists", "seq_id")
-        self.sequences.room_for_one()
+        sequences.room_for_one()
         keys, n = self._keys(tokens, block_hashes, num_tokens, meta)
         ps = self.page_size
         hits = self.table.cached_prefix(keys)
         need = -(-n // ps) - len(hits)
-        part = 1 if meta.workload_class == TO_B and self.eviction.caps[1] > 0 else 0  # partition_of, inlined
-        if need > 0 and not self.eviction.surely_obtainable(part, need, len(hits)):
-            obtainable = self.eviction.obtainable(part, hits)
+        part = 1 if meta.workload_class == TO_B and eviction.caps[1] > 0 else 0  # partition_of, inlined
+        if need > 0 and not eviction.surely_obtainable(part, need, len(hits)):
+            obtainable = eviction.obtainable(part, hits)
             if need > obtainable:
                 raise PoolExhausted(need, obtainable, PARTITIONS[part])
         # From here on nothing raises (I8): statistics and tuners are observers (see _observe).
         cross_user, reuses = self._take_hits(hits, meta.user, now)
-        evictions = self.eviction.evictions
-        pages = hits + self.eviction.allocate(part, need, now) if need > 0 else hits
+        evictions = eviction.evictions
+        pages = hits + eviction.allocate(part, need, now) if need > 0 else hits
         cached_tokens = min(len(hits) * ps, n)
         self.hit_tokens += cached_tokens
         self.lookup_tokens += n
-        self.sequences.add(SeqState(seq_id, meta, part, pages, keys, n, n, cached_tokens, len(hits), False,
-                                    self.class_of(meta)))
+        sequences.add(SeqState(seq_id, meta, part, pages, keys, n, n, cached_tokens, len(hits), False,
+                               self.class_of(meta)))
         for klass, reused, gap_sum in reuses:
             self._observe(self.model.observe_reuse, klass, reused, gap_sum, now)
         if self.frequencies.counting:
             self._observe(self.frequencies.count, keys, pages, part, meta.workload_class, now)
-        if keys and self.pinning.autopin.enabled:
-            self.pinning.pin_hot_prefix(keys[0], hits, meta, now)
-        return Admission(seq_id, cached_tokens, pages, cross_user * ps, self.eviction.evictions - evictions, keys)
+        if keys and pinning.autopin.enabled:
+            pinning.pin_hot_prefix(keys[0], hits, meta, now)
+        return Admission(seq_id, cached_tokens, pages, cross_user * ps, eviction.evictions - evictions, keys)
 
     def _observe(self, observer: Callable[..., object], *args: object) -> None:
         """Feed an observer of pool events (the reuse model, the sketch, the tuners): it may fail, the
