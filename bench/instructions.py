@@ -2,7 +2,9 @@
 
     .venv/bin/python bench/instructions.py BEFORE AFTER     # commits; "worktree" is this checkout
 
-Wall time on these machines swings by 30 %; instruction counts repeat to about 1e-6. Each figure is a
+Wall time on these machines swings by 30 %; instruction counts of one script in one checkout repeat to
+about 1e-5, but the same commit measured alone (or from this checkout rather than a temporary
+worktree) came out up to 0.6 % apart: compare only the two columns of one run. Each figure is a
 difference of two runs, so that start-up and loading cancel out:
 
 * ``pool_ops``: the conversation trace replayed once through an LRU pool at 5 % (``bench/pool_ops.py

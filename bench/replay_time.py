@@ -5,7 +5,7 @@
 Replays the conversation trace through the real pool with each policy, alternating the two, and prints
 the median seconds of each and their ratio (the issue-19 bound: at most 3x LRU's). Timings on a shared
 machine swing by 0.5x of the ratio from run to run; ``--instructions`` counts instructions instead
-(cachegrind, a replay minus a run that only loads the trace), which repeat to a few parts in a million.
+(cachegrind, a replay minus a run that only loads the trace), which repeat to about 1e-5 within one run.
 """
 
 from __future__ import annotations
