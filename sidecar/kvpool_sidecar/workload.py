@@ -67,8 +67,7 @@ class ReuseModel:
     """Per-class fits plus drift detection; the pool feeds it, policies and metrics read it."""
 
     def __init__(self, spec: KVCachePolicySpec, *, half_life: float | None = None) -> None:
-        self._fits: dict[StatsClass, ClassFit] = {}
-        self._pairs: dict[StatsClass, tuple[ClassFit, ClassFit]] = {}  # fits are never dropped
+        self._fits: dict[StatsClass, ClassFit] = {}  # never dropped
         # Counters decay with time (the caller's clock), all three together, so that their ratios
         # stay unbiased however the observations are batched.
         self._decay_per_second = math.log(2.0) / (half_life or FIT_HALF_LIFE_SECONDS)
@@ -88,20 +87,16 @@ class ReuseModel:
         self.cold_start_seconds = parse_duration(spec.learning.coldStartPeriod)
         self.drift_threshold = spec.learning.driftThresholdPercent / 100.0
         self.refit_on_drift = spec.learning.refitOnDrift
-        self._shape: dict[StatsClass, tuple[StatsClass | None, float, float]] = {}
         for klass, fit in self._fits.items():
             fit.prior_rate = self._prior_for(klass)
 
     def _prior_for(self, klass: StatsClass) -> float:
         return self._prior_rate.get(workload_class_of(klass), self._prior_rate["toC"])
 
-    def window_of(self, klass: StatsClass) -> float:
-        return self._workloads.window_of(workload_class_of(klass))
-
-    def _fit_pair(self, klass: StatsClass) -> tuple[ClassFit, ClassFit]:
-        """The fits an observation of ``klass`` updates, its own and its workload class's (first time)."""
-        pair = self._pairs[klass] = (self._fit(klass), self._fit(_parent(klass)))
-        return pair
+    def _fit_pair(self, klass: StatsClass) -> tuple[ClassFit, ...]:
+        """The fits an observation of ``klass`` updates: its own and its workload class's."""
+        parent = _parent(klass)
+        return (self._fit(klass),) if parent == klass else (self._fit(klass), self._fit(parent))
 
     def _fit(self, klass: StatsClass) -> ClassFit:
         fit = self._fits.get(klass)
@@ -120,7 +115,7 @@ class ReuseModel:
             fit.updated_at = now
 
     def observe_release(self, klass: StatsClass, pages: int, now: float) -> None:
-        for fit in self._pairs.get(klass) or self._fit_pair(klass):
+        for fit in self._fit_pair(klass):
             if now > fit.updated_at:
                 self._age(fit, now)
             if fit.first_release_at is None:
@@ -134,8 +129,7 @@ class ReuseModel:
         if self.on_reuse is not None:
             self.on_reuse(klass, pages, gap_sum)
         gap = gap_sum if gap_sum > 0.0 else 0.0
-        pair = self._pairs.get(klass) or self._fit_pair(klass)
-        for fit in pair:
+        for fit in self._fit_pair(klass):
             if now > fit.updated_at:
                 self._age(fit, now)
             fit.reuses += pages
@@ -151,46 +145,33 @@ class ReuseModel:
                 self._check_drift(fit, now)
 
     # --------------------------------------------------------------------------------- the fit
-    def rate(self, klass: StatsClass) -> float:
-        """Fitted reuse rate (per second), shrunk towards its parent's (see :meth:`params`)."""
-        return self.params(klass)[1]
-
-    def reuse_probability(self, klass: StatsClass) -> float:
-        """Probability that a released page is ever reused (1 - the never-reused mass)."""
-        return self.params(klass)[0]
-
-    def params(self, klass: StatsClass) -> tuple[float, float, float]:
-        """(:meth:`reuse_probability`, :meth:`rate`, :meth:`window_of`) of a class in one pass."""
-        shape = self._shape.get(klass)
-        if shape is None:  # what depends on the configuration only, kept until the next configure()
-            parent = _parent(klass)
-            shape = self._shape[klass] = (
-                None if parent == klass else parent, self._prior_for(klass), self.window_of(klass)
-            )
-        parent, prior_rate, window = shape
-        if parent is None:
-            prior_p = PRIOR_REUSE_PROBABILITY
+    def params(self, klass: StatsClass) -> tuple[float, float]:
+        """(probability that a released page is ever reused, reuse rate per second) of a class: its
+        decayed counts shrunk towards its workload class's estimate (a workload class: its priors)
+        by ``minSamples`` pseudo-observations."""
+        parent = _parent(klass)
+        if parent == klass:
+            prior_p, prior_rate = PRIOR_REUSE_PROBABILITY, self._prior_for(klass)
         else:
-            prior_p, prior_rate, _ = self.params(parent)
+            prior_p, prior_rate = self.params(parent)
         fit = self._fits.get(klass)
         if fit is None:
-            return prior_p, prior_rate, window
+            return prior_p, prior_rate
         k = float(self.min_samples)
         p = (fit.reuses + k * prior_p) / (fit.releases + k)
-        return min(max(p, _MIN_P), _MAX_P), (fit.reuses + k) / (fit.gap_sum + k / prior_rate), window
+        return min(max(p, _MIN_P), _MAX_P), (fit.reuses + k) / (fit.gap_sum + k / prior_rate)
 
     def classes(self) -> dict[StatsClass, tuple[float, float, int]]:
         """Per class (and per workload class): fitted rate (per minute), reuse probability, reuses seen."""
-        return {
-            k: (self.rate(k) * 60.0, self.reuse_probability(k), f.total_reuses) for k, f in self._fits.items()
-        }
+        return {k: (rate * 60.0, p, f.total_reuses) for k, f in self._fits.items() for p, rate in [self.params(k)]}
 
     # ------------------------------------------------------------------------------- drift
     def _check_drift(self, fit: ClassFit, now: float) -> None:
         # Drift is about the workload, so it compares the data's own estimate, not the shrunk one
         # (which moves on its own as evidence outweighs the prior).
         seen_since = fit.first_release_at if fit.first_release_at is not None else fit.first_reuse_at
-        warmup = max(DRIFT_WARMUP_WINDOWS * self.window_of(fit.klass), DRIFT_WARMUP_MIN_SECONDS)
+        window = self._workloads.window_of(workload_class_of(fit.klass))
+        warmup = max(DRIFT_WARMUP_WINDOWS * window, DRIFT_WARMUP_MIN_SECONDS)
         if fit.gap_sum <= 0 or seen_since is None or now - seen_since < warmup:
             return
         rate = fit.reuses / fit.gap_sum

@@ -33,17 +33,16 @@ def feed(model: ReuseModel, klass, rate_per_s: float, p: float, pages: int, star
 
 def test_cold_start_uses_the_configured_priors():
     model = ReuseModel(KVCachePolicySpec())
-    assert math.isclose(model.rate(CHAT) * 60, 0.15)
-    assert math.isclose(model.rate(API) * 60, 6.0)
-    assert model.reuse_probability(CHAT) == PRIOR_REUSE_PROBABILITY
-    assert model.window_of(API) == 10 and model.window_of(CHAT) == 600
+    assert math.isclose(model.params(CHAT)[1] * 60, 0.15)
+    assert math.isclose(model.params(API)[1] * 60, 6.0)
+    assert model.params(CHAT)[0] == PRIOR_REUSE_PROBABILITY
 
 
 def test_fit_recovers_rate_and_reuse_probability():
     model = ReuseModel(fit_spec())
     feed(model, CHAT, rate_per_s=1 / 120, p=0.3, pages=20_000, start=0.0, rng=random.Random(1))
-    assert abs(model.rate(CHAT) * 120 - 1) < 0.1
-    assert abs(model.reuse_probability(CHAT) - 0.3) < 0.03
+    assert abs(model.params(CHAT)[1] * 120 - 1) < 0.1
+    assert abs(model.params(CHAT)[0] - 0.3) < 0.03
 
 
 def test_rare_class_borrows_its_workload_class_fit():
@@ -52,20 +51,19 @@ def test_rare_class_borrows_its_workload_class_fit():
     rare = ("toC", "image", 3)
     model.observe_release(rare, 1, 5000.0)
     # Not the 0.5 prior: it shrinks towards to-C's fitted 0.2.
-    assert abs(model.reuse_probability(rare) - 0.2) < 0.05
+    assert abs(model.params(rare)[0] - 0.2) < 0.05
 
 
-def test_params_are_reuse_probability_rate_and_window_in_one_pass():
-    model = ReuseModel(KVCachePolicySpec())
-    feed(model, CHAT, rate_per_s=1 / 60, p=0.2, pages=500, start=0.0, rng=random.Random(3))
+def test_a_class_leans_on_its_workload_class_and_new_priors_apply_at_once():
+    model = ReuseModel(fit_spec())
+    feed(model, CHAT, rate_per_s=1 / 60, p=0.2, pages=2000, start=0.0, rng=random.Random(3))
     model.observe_release(("toC", "file", 1), 3, 500.0)
-    classes = (CHAT, ("toC",), ("toC", "file", 1), API, ("toB", "api", 2))
-    for klass in classes:
-        assert model.params(klass) == (model.reuse_probability(klass), model.rate(klass), model.window_of(klass))
-    model.configure(KVCachePolicySpec.model_validate({"workloads": {"toC": {"timeWindow": "2m", "decayPerMinute": 1}}}))
-    for klass in classes:  # new priors and windows are seen at once
-        assert model.params(klass) == (model.reuse_probability(klass), model.rate(klass), model.window_of(klass))
-    assert model.params(CHAT)[2] == 120
+    # a class with three releases and no reuse yet reads like its workload class, which learned from CHAT
+    workload_p, fine_p = model.params(("toC",))[0], model.params(("toC", "file", 1))[0]
+    assert workload_p < 0.3 and abs(fine_p - workload_p) < 0.01
+    assert math.isclose(model.params(("toB", "api", 2))[1] * 60, 6.0)  # unseen: to-B's prior
+    model.configure(KVCachePolicySpec.model_validate({"workloads": {"toB": {"decayPerMinute": 1}}}))
+    assert math.isclose(model.params(("toB", "api", 2))[1] * 60, 1.0)
 
 
 def test_drift_is_reported_and_adopted_when_refit_is_on():
@@ -97,10 +95,10 @@ def test_drift_without_refit_keeps_the_reference():
 def test_live_reconfigure_changes_priors_but_keeps_the_fit():
     model = ReuseModel(KVCachePolicySpec())
     feed(model, CHAT, rate_per_s=1 / 60, p=0.4, pages=3000, start=0.0, rng=random.Random(5))
-    fitted = model.reuse_probability(CHAT)
+    fitted = model.params(CHAT)[0]
     model.configure(KVCachePolicySpec.model_validate({"workloads": {"toB": {"decayPerMinute": 12}}}))
-    assert math.isclose(model.rate(API) * 60, 12)
-    assert model.reuse_probability(CHAT) == fitted
+    assert math.isclose(model.params(API)[1] * 60, 12)
+    assert model.params(CHAT)[0] == fitted
 
 
 def feed_as_it_happens(
