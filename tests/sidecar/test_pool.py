@@ -223,6 +223,21 @@ def test_ttl_pin_lapses_on_its_own():
     pool.check_invariants()
 
 
+def test_pins_that_expire_together_lapse_in_the_order_they_were_made():
+    """A replay repeats itself: pins with one expiry give their pages back to the policy in the order
+    they were pinned, not in the order of their random ids (under LRU that order is the eviction order)."""
+    pool = make_pool(40, pinning={"quotaPercent": 50, "autoPin": {"enabled": False}})
+    prompts = [[100 * i + j for j in range(2 * PS)] for i in range(8)]
+    for i, prompt in enumerate(prompts):
+        run(pool, f"s{i}", prompt)
+    pages_of = [pool.pin(prompt, ttl=5.0, now=1.0).pages for prompt in prompts]
+    pool.expire_pins(now=10.0)
+    owner = {page: i for i, pages in enumerate(pages_of) for page in pages}
+    order = [owner[page] for page in pool.policies[0].order()]  # type: ignore[attr-defined]
+    assert order == sorted(order) and len(order) == 16
+    pool.check_invariants()
+
+
 def test_pin_by_sequence_and_errors():
     pool = make_pool()
     pool.admit("a", list(range(10)))

@@ -41,7 +41,10 @@ class Pinning:
         self.eviction = eviction
         n = table.total_pages
         self.records: dict[str, Pin] = {}  # insertion order: oldest first
-        self._pin_expiry: list[tuple[float, str]] = []  # a heap of (expiry, pin id)
+        # A heap of (expiry, serial, pin id): pins that expire together lapse in the order they were
+        # made, not in the order of their random ids (a replay would not repeat itself).
+        self._pin_expiry: list[tuple[float, int, str]] = []
+        self._pins_made = 0
         self.lapsing: deque[list] = deque()  # [record, pages of it still pinned]: expired or dropped pins
         self.pinned_pages = 0
         self.autopins = 0
@@ -92,7 +95,8 @@ class Pinning:
         if auto:
             self._auto_ids[pin_id] = None
         if expires is not None:
-            heapq.heappush(self._pin_expiry, (expires, pin_id))
+            self._pins_made += 1
+            heapq.heappush(self._pin_expiry, (expires, self._pins_made, pin_id))
         return record
 
     def _add_pins(self, pages: list[int], auto: bool, now: float) -> None:
@@ -159,7 +163,7 @@ class Pinning:
         next calls, or in the sidecar's background task."""
         expiry = self._pin_expiry
         while expiry and expiry[0][0] <= now:
-            _, pin_id = heapq.heappop(expiry)
+            _, _, pin_id = heapq.heappop(expiry)
             record = self.records.get(pin_id)
             if record is not None:
                 self._retire(record)
