@@ -105,7 +105,7 @@ def main() -> int:
     assert len(pin.pages) == args.pin_pages
     now[0] += 2.0  # the pin is past its TTL: the next admissions lapse it
     show(f"admissions while a {args.pin_pages:,}-page pin lapses", admissions(pool, 2000, 2 << 20, now))
-    assert pin.pin_id not in pool.pins and not pool.lapsing_pages, "the pin did not lapse"
+    assert pin.pin_id not in pool.pins and not pool.pinning.lapsing_pages, "the pin did not lapse"
 
     for label, change in (
         ("policy switch to lru", {"pageSize": PAGE, "eviction": {"policy": "lru"}}),

@@ -33,8 +33,8 @@ def cached_tokens(trace: Trace, pages: int, policy: str, spec: KVCachePolicySpec
     switches = 0
     for i, req in enumerate(trace.requests):
         out.append(serve_request(pool, str(i), req).cached)
-        if watch is not None and sum(pool.tuning_switches) != switches:
-            switches = sum(pool.tuning_switches)
+        if watch is not None and sum(pool.frequencies.tuning_switches) != switches:
+            switches = sum(pool.frequencies.tuning_switches)
             watch.append((i, ", ".join(f"{part} {state['reuse_weight']:g}" for part, state in pool.tuning().items())))
     return out
 

@@ -138,7 +138,7 @@ def test_eviction_takes_descendants_with_their_parent(policy: type[LRUPolicy]) -
     pool.check_invariants()
     assert pool.lookup(list(range(12))) == 0
     assert pool.stats().evictions == 3
-    assert pool.evictions_by == {("toC", "capacity"): 3}  # the chain is counted whole (the metric reads this)
+    assert pool.eviction.evictions_by == {("toC", "capacity"): 3}  # the chain is counted whole (the metric reads this)
 
 
 @pytest.mark.parametrize("policy", [RootFirst, RootsFirstInBulk])
@@ -263,7 +263,7 @@ def test_auto_pin_long_prompts_for_their_class_window():
     run(pool, "short", [3] * 8)
     assert pool.stats().pins == 0
     run(pool, "long", list(range(12)), WorkloadMeta(workload_class=TO_B))
-    assert pool.stats().pins == 1 and pool.autopins == 1
+    assert pool.stats().pins == 1 and pool.pinning.autopins == 1
     now[0] = 11.0  # past the to-B window of 10 s
     pool.admit("z", [1] * 4)
     assert pool.stats().pins == 0
@@ -283,7 +283,7 @@ def test_auto_pin_hot_prefixes_by_qps():
         now[0] = 100.0 + 0.1 * i
         run(pool, f"hot{i}", system + [200 + i] * 4)
     pins = list(pool.pins.values())
-    assert len(pins) == 1 and pool.autopins == 1  # pinned once, not once per request
+    assert len(pins) == 1 and pool.pinning.autopins == 1  # pinned once, not once per request
     assert len(pins[0].pages) == 2 and pins[0].expires_at == pytest.approx(100.0 + 0.1 * 20 + 600, abs=1.0)
     assert pool.lookup(system) == 8
     # The pinned system prompt survives a flood that evicts everything else.
@@ -305,7 +305,7 @@ def test_auto_pin_by_qps_respects_the_quota():
     for i in range(30):
         now[0] = 0.05 * i
         run(pool, f"s{i}", prompt + [300 + i] * 4)
-    assert pool.stats().pins == 0 and pool.autopins == 0 and pool.autopins_refused > 0
+    assert pool.stats().pins == 0 and pool.pinning.autopins == 0 and pool.pinning.autopins_refused > 0
 
 
 def test_to_b_churn_never_evicts_to_c_pages():
@@ -482,19 +482,19 @@ def test_a_flood_of_long_prompts_cannot_starve_later_ones_of_auto_pins():
     for i in range(12):  # the flood: 12 long prompts of 4 pages each, 48 pages against a 20-page quota
         now[0] = float(i)
         run(pool, f"flood{i}", [1000 + i] * 16)
-    assert pool.stats().pinned_pages <= pool.pin_quota
-    assert pool.autopins == 12 and pool.autopins_displaced >= 7 and pool.autopins_refused == 0
+    assert pool.stats().pinned_pages <= pool.pinning.quota
+    assert pool.pinning.autopins == 12 and pool.pinning.autopins_displaced >= 7 and pool.pinning.autopins_refused == 0
     victim = list(range(16))
     now[0] = 20.0
     run(pool, "victim", victim)
     assert any(r.auto and len(r.pages) == 4 and r.expires_at == 620.0 for r in pool.pins.values())  # pinned
     # A caller's pin (the first flood prompt's pages, cached but no longer pinned) makes room the same way ...
     record = pool.pin(tokens=[1000] * 16)
-    assert not record.auto and pool.stats().pinned_pages <= pool.pin_quota
+    assert not record.auto and pool.stats().pinned_pages <= pool.pinning.quota
     # ... but a pin too big even once every auto-pin lapsed is refused and lapses none of them.
     autos = {k for k, r in pool.pins.items() if r.auto}
     run(pool, "huge", list(range(500, 600)))  # 25 pages: its auto-pin cannot fit the 20-page quota
-    assert pool.autopins_refused == 1
+    assert pool.pinning.autopins_refused == 1
     with pytest.raises(QuotaExceeded):
         pool.pin(tokens=list(range(500, 600)))
     assert {k for k, r in pool.pins.items() if r.auto} == autos
@@ -548,11 +548,11 @@ def test_a_chunked_long_prompt_has_one_auto_pin_and_a_long_pin_lapses_in_slices(
     pool.check_invariants()
     now[0] = 1e6  # past every class window
     pool.admit("other", [7] * PS)
-    assert pool.stats().pins == 0 and pool.lapsing_pages == 600 - LAPSE_PAGES_PER_CALL
+    assert pool.stats().pins == 0 and pool.pinning.lapsing_pages == 600 - LAPSE_PAGES_PER_CALL
     pool.check_invariants()
     pool.release("other")
     pool.expire_pins()
-    assert pool.lapsing_pages == 0 and pool.stats().pinned_pages == 0
+    assert pool.pinning.lapsing_pages == 0 and pool.stats().pinned_pages == 0
     assert pool.lookup(tokens) == len(tokens)  # lapsed, not dropped: still cached, evictable again
     pool.check_invariants()
 

@@ -139,10 +139,10 @@ class PoolMachine(RuleBasedStateMachine):
     def pre_evict(self, budget: int) -> None:
         """Idle pre-eviction frees only pages past their class window, at most ``budget`` of them."""
         before = self.pool.stats()
-        counted = sum(n for (_, reason), n in self.pool.evictions_by.items() if reason == "pre_eviction")
+        counted = sum(n for (_, reason), n in self.pool.eviction.evictions_by.items() if reason == "pre_eviction")
         freed = self.pool.pre_evict(max_pages=budget)
         assert self.pool.stats().free_pages - before.free_pages == freed
-        now_counted = sum(n for (_, reason), n in self.pool.evictions_by.items() if reason == "pre_eviction")
+        now_counted = sum(n for (_, reason), n in self.pool.eviction.evictions_by.items() if reason == "pre_eviction")
         assert now_counted - counted == freed  # every page freed counted once, as pre-eviction
 
     def scope(self, tokens: list[int], tenant: str) -> str:

@@ -368,7 +368,7 @@ def test_lowering_the_pin_quota_unpins_the_oldest_and_says_so():
         assert c.stats()["pinned_pages"] == 8
         view = c.put_config({**config, "pinning": {"quotaPercent": 10, "autoPin": {"enabled": False}}})
         assert c.stats()["pinned_pages"] == 4 and c.stats()["pin_quota_pages"] == 4
-        assert set(sidecar.pool.pin_ids()) == set(pins[2:])  # the two oldest went
+        assert set(sidecar.pool.pinning.records) == set(pins[2:])  # the two oldest went
         assert "unpinned the 2 oldest pins" in view["notice"] and pins[0] in view["notice"]
         scrape = httpx.get(url + "/metrics").text
         assert 'kvpool_pins_removed_total{reason="quota_lowered"} 2.0' in scrape

@@ -1,4 +1,5 @@
-"""Making room: allocation from the free stack, then eviction by each partition's policy.
+"""Which pages are evictable and who gets a page: hits taken out of their policies, released pages put
+back in, allocation from the free stack, then eviction by each partition's policy.
 
 One path takes victims: :meth:`Eviction._evict_batch` (bulk or one at a time, the leaf fast path
 inlined), which hands over to :meth:`Eviction._evict_with_descendants` when a victim has cached
@@ -9,12 +10,12 @@ page is counted once, under one reason).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 from kvpool_sidecar.keys import workload_class_of
 from kvpool_sidecar.policies import NO_PAGE, EvictionPolicy
 from kvpool_sidecar.pool.pages import PageTable
-from kvpool_sidecar.pool.records import PARTITIONS, PoolSettings
+from kvpool_sidecar.pool.records import PARTITIONS, PoolSettings, SeqState
 
 
 def _one_at_a_time(victim: Callable[[float], int], now: float, count: int, named: list[int]) -> Iterator[int]:
@@ -42,6 +43,98 @@ class Eviction:
         self.limits = list(settings.limits)  # the pages each may hold: to-C borrows to-B's idle share
         self.window_of = settings.window_of
         self.low_watermark = settings.low_watermark
+
+    def take_hits(self, hits: list[int], user: str, now: float) -> tuple[int, list[tuple[Hashable, int, float]]]:
+        """An admitted prefix's pages are in use again: out of their policies. Returns how many another
+        user computed first, and the reuses to tell the reuse model: (class that released them, pages,
+        sum of their gaps), by the class that released each."""
+        t = self.table
+        ref = t.ref
+        pins = t.pins
+        last = t.last
+        policies = self.policies
+        part_of = t.part
+        klass_of = t.klass
+        user_of = t.user
+        cross_user = 0
+        reuses: list[tuple[Hashable, int, float]] = []
+        reuse_class: Hashable = None
+        reused = 0
+        gap_sum = 0.0
+        for page in hits:
+            if user and user_of[page] and user_of[page] != user:
+                cross_user += 1
+            if ref[page] == 0:
+                # A reuse is evidence about the class that released the page, not the one reusing it.
+                klass = klass_of[page]
+                if klass != reuse_class:
+                    if reused:
+                        reuses.append((reuse_class, reused, gap_sum))
+                        t.in_use += reused
+                    reuse_class, reused, gap_sum = klass, 0, 0.0
+                reused += 1
+                gap_sum += now - last[page]
+                if pins[page] == 0:
+                    policies[part_of[page]].take(page, now, True)
+            ref[page] += 1
+            last[page] = now
+        if reused:
+            reuses.append((reuse_class, reused, gap_sum))
+            t.in_use += reused
+        return cross_user, reuses
+
+    def release(self, seq: SeqState, now: float, pinned: int) -> int:
+        """A finished sequence's pages: those another sequence holds stay in use, the unpublished ones
+        are freed, the rest become evictable in their partition's policy (unless pinned; ``pinned``:
+        the pinned pages in all, 0 saves the look). Returns how many stay cached."""
+        t = self.table
+        ref = t.ref
+        key = t.key
+        pins = t.pins
+        last = t.last
+        part = t.part
+        policies = self.policies
+        owned = self.owned
+        free = t.free
+        klass = seq.klass
+        klass_of = t.klass
+        pages = seq.pages
+        home = seq.partition
+        batch: list[int] = []
+        held = 0  # pages another sequence still holds
+        freed = 0  # pages never published: freed, not cached
+        # Tail first, so that in recency order a prompt's head outlives its tail.
+        for page in reversed(pages):
+            if ref[page] != 1:
+                ref[page] -= 1
+                held += 1
+                continue
+            ref[page] = 0
+            last[page] = now
+            if key[page] is None:
+                owned[part[page]] -= 1
+                free.append(page)
+                freed += 1
+                continue
+            klass_of[page] = klass
+            if pinned and pins[page]:
+                continue
+            if part[page] == home:
+                batch.append(page)
+            else:  # a hit on another partition's page goes back to that partition
+                policies[part[page]].insert([page], [pages.index(page)], seq.published, now, klass)
+        t.in_use -= len(pages) - held
+        if batch:
+            # Nearly always the prompt's first pages (its unpublished tail was freed): their depths are
+            # a range, known without a lookup.
+            depths: Sequence[int]
+            if pages[len(batch) - 1] == batch[0]:
+                depths = range(len(batch) - 1, -1, -1)
+            else:
+                depth_of = {page: depth for depth, page in enumerate(pages)}
+                depths = [depth_of[page] for page in batch]
+            policies[home].insert(batch, depths, seq.published, now, klass)
+        return len(pages) - held - freed
 
     def obtainable(self, part: int, exclude: list[int]) -> int:
         """Pages that partition ``part`` could get now, if the pages in ``exclude`` stop being evictable.

@@ -192,7 +192,7 @@ class PagePool:
         meta: WorkloadMeta,
     ) -> tuple[list[Hashable], int]:
         """The keys of the request's full pages, and its length in tokens."""
-        if self.max_sequence_tokens is not None:
+        if self.sequences.max_sequence_tokens is not None:
             n = len(tokens) if tokens is not None else num_tokens or len(block_hashes or ()) * self.page_size
             self.sequences.check_length(n, "tokens" if tokens is not None else "block_hashes")
         salt = self._salt(meta.tenant) if salted(self.settings.isolate, meta.tenant, tokens is not None) else None
@@ -228,7 +228,7 @@ class PagePool:
             if need > obtainable:
                 raise PoolExhausted(need, obtainable, PARTITIONS[part])
         # From here on nothing raises (I8): statistics and tuners are observers (see _observe).
-        cross_user, reuses = self._take_hits(hits, meta.user, now)
+        cross_user, reuses = eviction.take_hits(hits, meta.user, now)
         evictions = eviction.evictions
         pages = hits + eviction.allocate(part, need, now) if need > 0 else hits
         cached_tokens = min(len(hits) * ps, n)
@@ -256,102 +256,15 @@ class PagePool:
                 log.exception("an observer of the pool failed (%d so far); the pool is unaffected",
                               self.observer_errors)
 
-    def _take_hits(self, hits: list[int], user: str, now: float) -> tuple[int, list[tuple[Hashable, int, float]]]:
-        """The admitted prefix's pages are in use again: out of their policies. Returns how many another
-        user computed first, and the reuses to tell the model: (class that released them, pages, sum
-        of their gaps), by the class that released each."""
-        t = self.table
-        ref = t.ref
-        pins = t.pins
-        last = t.last
-        policies = self.eviction.policies
-        part_of = t.part
-        klass_of = t.klass
-        user_of = t.user
-        cross_user = 0
-        reuses: list[tuple[Hashable, int, float]] = []
-        reuse_class: Hashable = None
-        reused = 0
-        gap_sum = 0.0
-        for page in hits:
-            if user and user_of[page] and user_of[page] != user:
-                cross_user += 1
-            if ref[page] == 0:
-                # A reuse is evidence about the class that released the page, not the one reusing it.
-                klass = klass_of[page]
-                if klass != reuse_class:
-                    if reused:
-                        reuses.append((reuse_class, reused, gap_sum))
-                        t.in_use += reused
-                    reuse_class, reused, gap_sum = klass, 0, 0.0
-                reused += 1
-                gap_sum += now - last[page]
-                if pins[page] == 0:
-                    policies[part_of[page]].take(page, now, True)
-            ref[page] += 1
-            last[page] = now
-        if reused:
-            reuses.append((reuse_class, reused, gap_sum))
-            t.in_use += reused
-        return cross_user, reuses
-
     def release(self, seq_id: str, now: float | None = None) -> None:
         """The sequence is done: its published pages stay cached, the rest are freed."""
         seq = self.sequences.remove(seq_id)
         now = self.clock() if now is None else now
-        t = self.table
-        ref = t.ref
-        key = t.key
-        pins = t.pins
-        last = t.last
-        part = t.part
-        policies = self.eviction.policies
-        owned = self.eviction.owned
-        free = t.free
-        klass = seq.klass
-        klass_of = t.klass
-        pages = seq.pages
-        home = seq.partition
-        batch: list[int] = []
-        held = 0  # pages another sequence still holds
-        freed = 0  # pages never published: freed, not cached
-        pinned = self.pinning.pinned_pages
-        # Tail first, so that in recency order a prompt's head outlives its tail.
-        for page in reversed(pages):
-            if ref[page] != 1:
-                ref[page] -= 1
-                held += 1
-                continue
-            ref[page] = 0
-            last[page] = now
-            if key[page] is None:
-                owned[part[page]] -= 1
-                free.append(page)
-                freed += 1
-                continue
-            klass_of[page] = klass
-            if pinned and pins[page]:
-                continue
-            if part[page] == home:
-                batch.append(page)
-            else:  # a hit on another partition's page goes back to that partition
-                policies[part[page]].insert([page], [pages.index(page)], seq.published, now, klass)
-        t.in_use -= len(pages) - held
-        if batch:
-            # Nearly always the prompt's first pages (its unpublished tail was freed): their depths are
-            # a range, known without a lookup.
-            depths: Sequence[int]
-            if pages[len(batch) - 1] == batch[0]:
-                depths = range(len(batch) - 1, -1, -1)
-            else:
-                depth_of = {page: depth for depth, page in enumerate(pages)}
-                depths = [depth_of[page] for page in batch]
-            policies[home].insert(batch, depths, seq.published, now, klass)
-        cached = len(pages) - held - freed
+        cached = self.eviction.release(seq, now, self.pinning.pinned_pages)
         if cached:
             # Every cached page, pinned or in the other partition too: each is reported again when it
             # is reused or forgotten, and the model counts those still waiting (at risk).
-            self._observe(self.model.observe_release, klass, cached, now)
+            self._observe(self.model.observe_release, seq.klass, cached, now)
 
     def lookup(
         self,
@@ -486,14 +399,6 @@ class PagePool:
         return dict(self.pinning.records)
 
     @property
-    def pin_count(self) -> int:
-        return len(self.pinning.records)
-
-    def pin_ids(self) -> set[str]:
-        """The live pins' ids (those past their TTL are gone once any pin call has run)."""
-        return set(self.pinning.records)
-
-    @property
     def total_pages(self) -> int:
         return self.table.total_pages
 
@@ -506,44 +411,5 @@ class PagePool:
         self.table.removed_keys = keys
 
     @property
-    def max_sequence_tokens(self) -> int | None:
-        return self.sequences.max_sequence_tokens
-
-    @property
-    def pin_quota(self) -> int:
-        return self.pinning.quota
-
-    @property
-    def lapsing_pages(self) -> int:
-        return self.pinning.lapsing_pages
-
-    @property
     def evictions(self) -> int:
         return self.eviction.evictions
-
-    @property
-    def evictions_by(self) -> dict[tuple[str, str], int]:
-        return self.eviction.evictions_by
-
-    @property
-    def pre_evictions(self) -> int:
-        return self.eviction.pre_evictions
-
-    @property
-    def autopins(self) -> int:
-        return self.pinning.autopins
-
-    @property
-    def autopins_refused(self) -> int:
-        return self.pinning.autopins_refused
-
-    @property
-    def autopins_displaced(self) -> int:
-        return self.pinning.autopins_displaced
-
-    @property
-    def tuning_switches(self) -> list[int]:
-        return self.frequencies.tuning_switches
-
-    def borrowed(self, part: int) -> int:
-        return self.eviction.borrowed(part)

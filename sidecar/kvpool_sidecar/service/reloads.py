@@ -83,7 +83,7 @@ class ConfigReloads:
         for record in unpinned:
             self._forget_pin(record.pin_id)
         self.metrics.pins_removed.labels("quota_lowered").inc(len(unpinned))
-        notice = (f"pinning.quotaPercent {config.pinning.quotaPercent} leaves room for {self.pool.pin_quota} "
+        notice = (f"pinning.quotaPercent {config.pinning.quotaPercent} leaves room for {self.pool.pinning.quota} "
                   f"pinned pages: unpinned the {len(unpinned)} oldest pins "
                   f"({', '.join(r.pin_id for r in unpinned[:8])}{', ...' if len(unpinned) > 8 else ''})")
         log.warning("%s", notice)

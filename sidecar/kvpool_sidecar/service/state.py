@@ -179,7 +179,7 @@ class Sidecar(ConfigReloads):
         memory even on pages pinned already, so the page quota alone does not bound them)."""
         held = self._pins_by_owner.setdefault(owner.key, set())
         if len(held) >= self.max_pins_per_owner:
-            held &= self.pool.pin_ids()  # forget the ones that lapsed by TTL first
+            held.intersection_update(self.pool.pinning.records)  # forget the ones that lapsed by TTL first
             if len(held) >= self.max_pins_per_owner:
                 raise TooManyPins(
                     f"{owner.key} holds {len(held)} pins: the limit is {self.max_pins_per_owner} per credential "
@@ -188,8 +188,8 @@ class Sidecar(ConfigReloads):
         record = self.pool.pin(*args, **kwargs)
         self._pin_owner[record.pin_id] = owner.key
         held.add(record.pin_id)
-        if len(self._pin_owner) > 2 * self.pool.pin_count + 1024:  # lapsed pins: forget their owners
-            live = self.pool.pin_ids()
+        if len(self._pin_owner) > 2 * len(self.pool.pinning.records) + 1024:  # lapsed pins: forget their owners
+            live = self.pool.pinning.records
             self._pin_owner = {pin_id: who for pin_id, who in self._pin_owner.items() if pin_id in live}
         return record
 
@@ -214,7 +214,7 @@ class Sidecar(ConfigReloads):
 
     def admit(self, seq_id: str, tokens: list[int] | None, block_hashes: list | None, num_tokens: int | None,
               meta: WorkloadMeta, owner: Principal = ADMIN) -> Any:
-        before = dict(self.pool.evictions_by)
+        before = dict(self.pool.eviction.evictions_by)
         start = time.perf_counter()
         adm = self.pool.admit(seq_id, tokens, block_hashes=block_hashes, num_tokens=num_tokens, meta=meta)
         elapsed = time.perf_counter() - start
@@ -231,13 +231,13 @@ class Sidecar(ConfigReloads):
 
     def _count_evictions(self, before: dict[tuple[str, str], int]) -> None:
         self.removals.flush()
-        for (partition, reason), n in self.pool.evictions_by.items():
+        for (partition, reason), n in self.pool.eviction.evictions_by.items():
             delta = n - before.get((partition, reason), 0)
             if delta:
                 self.metrics.evicted_pages.labels(partition, reason).inc(delta)
 
     def pre_evict(self, max_pages: int) -> int:
-        before = dict(self.pool.evictions_by)
+        before = dict(self.pool.eviction.evictions_by)
         freed = self.pool.pre_evict(max_pages=max_pages)
         if freed:
             self._count_evictions(before)
@@ -245,7 +245,7 @@ class Sidecar(ConfigReloads):
 
     def with_evictions(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a pool call that may evict (append, fork) and count what it evicted."""
-        before = dict(self.pool.evictions_by)
+        before = dict(self.pool.eviction.evictions_by)
         result = fn(*args, **kwargs)
         self._count_evictions(before)
         return result
@@ -380,8 +380,8 @@ class Sidecar(ConfigReloads):
                 for name, p in st.partitions.items()
             },
             "pin_quota": st.pin_quota_pages,
-            "autopins": {"pinned": self.pool.autopins, "displaced": self.pool.autopins_displaced,
-                         "refused": self.pool.autopins_refused},
+            "autopins": {"pinned": self.pool.pinning.autopins, "displaced": self.pool.pinning.autopins_displaced,
+                         "refused": self.pool.pinning.autopins_refused},
             "fragmentation": st.fragmentation_tokens,
             "sequences": st.sequences,
             "observer_errors": self.pool.observer_errors,
