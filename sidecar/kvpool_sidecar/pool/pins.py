@@ -195,7 +195,9 @@ class Pinning:
 
     def auto_pin(self, seq: SeqState, now: float) -> None:
         """A long prompt's published pages, pinned by one record per sequence that grows with its
-        chunked commits."""
+        chunked commits; only prompts of at least ``autoPin.minPromptTokens``."""
+        if not (self.autopin.enabled and seq.num_prompt_tokens >= self.autopin.minPromptTokens):
+            return
         pages = seq.pages[: seq.published]
         record = self.records.get(seq.autopin) if seq.autopin is not None else None
         if record is None:

@@ -91,7 +91,7 @@ class PagePool:
         if total_pages < 1:
             raise InvalidRequest("total_pages must be at least 1", "total_pages")
         settings = PoolSettings.of(spec, total_pages)
-        self.page_size = spec.pageSize
+        self.page_size = settings.page_size
         self.clock = clock
         self.table = PageTable(total_pages)
         self.eviction = Eviction(self.table, [], settings)

@@ -93,8 +93,7 @@ class SequenceTable:
             seq.published = upto
         else:
             self.table.publish_contended(seq, upto)
-        if self.pinning.autopin.enabled and seq.num_prompt_tokens >= self.pinning.autopin.minPromptTokens:
-            self.pinning.auto_pin(seq, now)
+        self.pinning.auto_pin(seq, now)
         return seq.published
 
     def append(self, seq_id: str, num_new_tokens: int, now: float) -> list[int]:
