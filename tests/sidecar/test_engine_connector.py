@@ -215,7 +215,7 @@ def test_request_params_choose_nothing_unless_the_deployment_trusts_them():
         link.close()
 
 
-def test_a_hung_sidecar_costs_each_request_at_most_lookup_wait():
+def test_a_hung_sidecar_costs_each_request_at_most_lookup_wait(caplog):
     path = socket_path()
     hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts (the kernel's backlog), never answers
     hung.bind(path)
@@ -230,8 +230,12 @@ def test_a_hung_sidecar_costs_each_request_at_most_lookup_wait():
         time.sleep(0.02)
         side.plan([])
         start = time.perf_counter()
-        assert [side.matched_tokens(f"r{i}", hashes(3, f"p{i}"), 13, 0, None) for i in range(20)] == [0] * 20
+        with caplog.at_level(logging.WARNING, logger="kvpool.engine"):
+            assert [side.matched_tokens(f"r{i}", hashes(3, f"p{i}"), 13, 0, None) for i in range(20)] == [0] * 20
         assert time.perf_counter() - start < 0.01  # their own budget is spent: served without the pool now
+        late = [r.message for r in caplog.records if "not answered within lookup_wait_ms=20" in r.message]
+        assert late == ["kvpool: 1 lookup(s) not answered within lookup_wait_ms=20 ran without the pool "
+                        "(the sidecar is slow: starved of CPU?)"]  # one warning for the 20, not one each
         link.close(timeout=0.1)
     finally:
         hung.close()

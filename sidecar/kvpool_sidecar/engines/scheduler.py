@@ -40,6 +40,7 @@ from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLi
 log = logging.getLogger("kvpool.engine")
 META_FIELDS = ("tenant", "workload_class", "request_type", "turn", "user")
 MAX_PENDING_STEPS = 1024  # steps whose worker report is awaited (an engine has a handful in flight)
+LATE_WARNING_EVERY = 60.0  # seconds: lookups past their budget are logged at most this often, with their count
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,8 @@ class SchedulerSide:
         self._done: dict[int, int] = {}  # ranks that reported each pending step so far
         self._failed: set[tuple[int, str]] = set()
         self._order: deque[int] = deque()
+        self._late = 0  # lookups past their budget since the last warning of them
+        self._late_warned_at: float | None = None
 
     # ------------------------------------------------------------------------------ lookups
     def matched_tokens(self, req_id: str, block_hashes: list[bytes], prompt_len: int, local_tokens: int,
@@ -172,6 +175,7 @@ class SchedulerSide:
                 # Its own budget is spent: served without the pool (released once the answer comes).
                 self._give_up(req)
                 self.link.record(lambda r: r.fail("lookup"))
+                self._warn_late(now)
                 return 0
             except (SidecarDown, OpFailed) as exc:
                 req.future = None
@@ -215,6 +219,15 @@ class SchedulerSide:
         if self.trust_request_params and params:
             meta.update({k: params[k] for k in META_FIELDS if k in params})
         return meta
+
+    def _warn_late(self, now: float) -> None:
+        """One warning a minute at most for lookups that passed their budget (each is counted as a
+        failed lookup): the sidecar answers, but too slowly for this engine's ``lookup_wait_ms``."""
+        self._late += 1
+        if self._late_warned_at is None or now - self._late_warned_at >= LATE_WARNING_EVERY:
+            log.warning("kvpool: %d lookup(s) not answered within lookup_wait_ms=%g ran without the pool "
+                        "(the sidecar is slow: starved of CPU?)", self._late, self.lookup_wait * 1000)
+            self._late, self._late_warned_at = 0, now
 
     def _give_up(self, req: _Request) -> None:
         future, req.future = req.future, None
