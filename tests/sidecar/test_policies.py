@@ -13,7 +13,7 @@ from kvpool_sidecar.policies import (
     PolicyContext,
     make_policy,
 )
-from kvpool_sidecar.pool import PagePool
+from kvpool_sidecar.pool import PagePool, WorkloadMeta
 
 CHAT = ("toC", "text", 0)
 API = ("toB", "api", 0)
@@ -215,4 +215,21 @@ def test_pre_eviction_frees_only_expired_pages_down_to_the_watermark():
     freed = pool.pre_evict(now=601.5)  # pages of t=0 and t=1 expired; the watermark asks for 5 free
     assert freed == 3 and pool.stats().free_pages == 5
     assert pool.lookup([3] * 8) == 8  # the fresh prefix stayed
+    pool.check_invariants()
+
+
+def test_a_page_expires_after_its_own_class_window_wherever_it_lives():
+    """With no to-B share, to-B pages live in the shared partition; each page still expires after the
+    window of its own class (to-B 10 s, to-C 10 min), for the eviction counters as for idle eviction."""
+    spec = KVCachePolicySpec.model_validate(
+        {"pageSize": 4, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}},
+         "workloads": {"toB": {"isolationPercent": 0}}, "preEviction": {"enabled": False}}
+    )
+    pool = PagePool(4, spec, clock=lambda: 0.0)
+    for seq, meta in (("b", WorkloadMeta(workload_class="toB")), ("c", WorkloadMeta())):
+        pool.admit(seq, [ord(seq)] * 8, meta=meta, now=0.0)
+        pool.commit(seq, 8)
+        pool.release(seq, now=0.0)
+    pool.admit("new", list(range(100, 116)), now=60.0)  # 4 pages: all cached ones go, at 60 s
+    assert pool.eviction.evictions_by == {("toC", "expired"): 2, ("toC", "capacity"): 2}
     pool.check_invariants()

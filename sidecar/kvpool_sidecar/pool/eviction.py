@@ -44,6 +44,13 @@ class Eviction:
         self.window_of = settings.window_of
         self.low_watermark = settings.low_watermark
 
+    def expired(self, page: int, now: float) -> bool:
+        """Whether cached ``page`` waited past its reuse window: the window, as of its release, of
+        the class that released it, wherever the page lives (a to-B page in the shared partition
+        expires after to-B's window). The one test of "expired": idle eviction takes only such pages,
+        and the eviction counters file them under "expired" (the leaf path inlines it)."""
+        return self.table.expires[page] < now
+
     def take_hits(self, hits: list[int], user: str, now: float) -> tuple[int, list[tuple[Hashable, int, float]]]:
         """An admitted prefix's pages are in use again: out of their policies. Returns how many another
         user computed first, and the reuses to tell the reuse model: (class that released them, pages,
@@ -98,6 +105,8 @@ class Eviction:
         free = t.free
         klass = seq.klass
         klass_of = t.klass
+        expires = t.expires
+        expires_at = now + self.window_of(workload_class_of(klass))
         pages = seq.pages
         home = seq.partition
         batch: list[int] = []
@@ -117,6 +126,7 @@ class Eviction:
                 freed += 1
                 continue
             klass_of[page] = klass
+            expires[page] = expires_at
             if pinned and pins[page]:
                 continue
             if part[page] == home:
@@ -252,9 +262,8 @@ class Eviction:
         key = self.table.key
         index = self.table.index
         next_sib = self.table.next_sib
-        last = self.table.last
         removed = self.table.removed_keys
-        threshold = now - self.window_of(PARTITIONS[part])
+        expires = self.table.expires
         expired = 0
         pages: list[int]
         batch: Iterable[int]
@@ -273,7 +282,7 @@ class Eviction:
                     evicted = len(pages) - 1
                 pages = pages[:evicted] + self._evict_with_descendants(part, page, count - evicted, now)
                 break
-            if last[page] < threshold:
+            if expires[page] < now:  # self.expired, inlined
                 expired += 1
             k = key[page]
             del index[k]
@@ -303,7 +312,6 @@ class Eviction:
         Counts what it evicts; its caller counts none of it.
         """
         policy = self.policies[part]
-        window = self.window_of(PARTITIONS[part])
         free = self.table.free
         owned = self.owned
         # A partition over its share (shrunk by a live resize) keeps its size while it serves its own
@@ -317,7 +325,7 @@ class Eviction:
             if self.table.first_child[page] != NO_PAGE:
                 for p in self._evict_descendants(page):
                     cascaded[self.table.part[p]] += 1
-            if now - self.table.last[page] > window:
+            if self.expired(page, now):
                 expired += 1
             self._drop(page)  # freed, then taken back below with the pages its descendants freed
             owned[part] += 1
@@ -390,10 +398,7 @@ class Eviction:
         freed = 0
         for part, policy in enumerate(self.policies):
             while len(self.table.free) < target and freed < budget and len(policy):
-                page = policy.peek(now)
-                klass = self.table.klass[page]
-                window = self.window_of(workload_class_of(klass))
-                if now - self.table.last[page] <= window:
+                if not self.expired(policy.peek(now), now):
                     break  # the least valuable page is still fresh: nothing here is worth freeing
                 n = self._evict_one(part, now, "pre_eviction")
                 freed += n

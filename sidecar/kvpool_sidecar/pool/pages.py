@@ -30,7 +30,8 @@ class PageTable:
         self.next_sib = [NO_PAGE] * n
         self.prev_sib = [NO_PAGE] * n
         self.part = bytearray(n)  # partition index per page: a byte, not a list's 8
-        self.last = [0.0] * n
+        self.last = [0.0] * n  # when a sequence last held it (released or hit)
+        self.expires = [0.0] * n  # when its reuse window ends: set at release (:meth:`.Eviction.release`)
         self.user: list[str] = [""] * n  # who first computed the page (cross-user reuse)
         self.klass: list[Hashable] = [None] * n  # statistics class of the request that last released it
         self.index: dict[Hashable, int] = {}
