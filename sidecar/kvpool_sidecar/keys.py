@@ -27,6 +27,13 @@ def turn_bucket(turn: int) -> int:
     return _TURN_BUCKETS[min(turn, 5)]
 
 
+# Request types with statistics classes of their own (``learning.classBy: [requestType]``); the types
+# callers name after these share one class, OTHER_REQUEST_TYPES. Each class is held for good (a fit, a
+# policy's queue slot), and a deployment's types are a short list: text, code, a few tools.
+MAX_REQUEST_TYPES = 32
+OTHER_REQUEST_TYPES = "(other)"
+
+
 class ClassKey(NamedTuple):
     """A statistics class: workload class x request type x turn bucket (what ``learning.classBy``
     leaves out is "" or 0). The reuse model pools a class into its workload class, ``(workload_class,)``."""

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import pytest
 from kvpool_sidecar.config import KVCachePolicySpec
+from kvpool_sidecar.keys import MAX_REQUEST_TYPES, OTHER_REQUEST_TYPES
 from kvpool_sidecar.policies import LRUPolicy
 from kvpool_sidecar.pool import (
     TO_B,
@@ -578,4 +579,22 @@ def test_a_policy_switch_hands_pages_over_in_slices_and_serves_meanwhile(before:
         pool.check_invariants()
     assert [p.name for p in pool.policies] == [after, after]
     assert pool.lookup([5002] * PS * 20) == PS * 20 and pool.lookup([1099] * PS * 20) == PS * 20
+    pool.check_invariants()
+
+
+def test_callers_cannot_make_the_pool_hold_a_class_per_request_type_they_invent():
+    spec = KVCachePolicySpec.model_validate(
+        {"pageSize": 4, "eviction": {"policy": "workload_adaptive"}, "learning": {"classBy": ["requestType"]}}
+    )
+    pool = PagePool(64, spec, clock=lambda: 0.0)
+    for i in range(MAX_REQUEST_TYPES + 40):
+        meta = WorkloadMeta(request_type=f"type-{i}")
+        pool.admit("s", block_hashes=[i, 1000 + i], meta=meta, now=float(i))
+        pool.commit("s", 8)
+        pool.release("s", now=float(i))
+        pool.admit("again", block_hashes=[i, 1000 + i], meta=meta, now=i + 0.5)
+        pool.release("again", now=i + 0.5)
+    types = {k[1] for k in pool.model.classes() if len(k) == 3}
+    assert types == {f"type-{i}" for i in range(MAX_REQUEST_TYPES)} | {OTHER_REQUEST_TYPES}
+    assert pool.class_of(WorkloadMeta(request_type="type-3")).request_type == "type-3"  # the known keep theirs
     pool.check_invariants()

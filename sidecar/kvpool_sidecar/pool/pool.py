@@ -22,6 +22,8 @@ from kvpool_sidecar.errors import (
 )
 from kvpool_sidecar.keys import (
     DEFAULT_META,
+    MAX_REQUEST_TYPES,
+    OTHER_REQUEST_TYPES,
     TO_B,
     ClassKey,
     WorkloadMeta,
@@ -103,6 +105,7 @@ class PagePool:
         self._fixed_factory = policy_factory
         self.eviction.policies[:] = [self._new_policy(spec, i) for i in range(len(PARTITIONS))]
         self._salts: dict[str, bytes] = {}
+        self._request_types: set[str] = set()  # those with classes of their own (see class_of)
         # Cumulative counters (read by metrics; cheap ints on the hot path).
         self.hit_tokens = 0
         self.lookup_tokens = 0
@@ -174,9 +177,16 @@ class PagePool:
     def class_of(self, meta: WorkloadMeta) -> ClassKey:
         """The statistics class of a request, less what ``learning.classBy`` leaves out."""
         by_type, by_turn = self.settings.class_by
+        request_type = ""
+        if by_type:  # callers name request types: the first MAX_REQUEST_TYPES get classes of their own
+            request_type = meta.request_type
+            if request_type not in self._request_types:
+                if len(self._request_types) < MAX_REQUEST_TYPES:
+                    self._request_types.add(request_type)
+                else:
+                    request_type = OTHER_REQUEST_TYPES
         # tuple.__new__: a ClassKey without namedtuple's Python-level __new__ (1 % of an eviction's cost)
-        return tuple.__new__(ClassKey, (meta.workload_class, meta.request_type if by_type else "",
-                                        turn_bucket(meta.turn) if by_turn else 0))
+        return tuple.__new__(ClassKey, (meta.workload_class, request_type, turn_bucket(meta.turn) if by_turn else 0))
 
     def _salt(self, tenant: str) -> bytes:
         salt = self._salts.get(tenant)
