@@ -232,4 +232,13 @@ def test_a_page_expires_after_its_own_class_window_wherever_it_lives():
         pool.release(seq, now=0.0)
     pool.admit("new", list(range(100, 116)), now=60.0)  # 4 pages: all cached ones go, at 60 s
     assert pool.eviction.evictions_by == {("toC", "expired"): 2, ("toC", "capacity"): 2}
+    pool.release("new", now=60.0)  # never committed: its pages are freed, not cached
+    data = spec.model_dump()
+    data["workloads"]["toB"]["timeWindow"] = "2m"  # reloaded: pages released from now on keep it
+    pool.reconfigure(KVCachePolicySpec.model_validate(data))
+    pool.admit("b2", [7] * 16, meta=WorkloadMeta(workload_class="toB"), now=61.0)
+    pool.commit("b2", 16)
+    pool.release("b2", now=61.0)
+    pool.admit("late", list(range(200, 216)), now=150.0)  # 89 s after: inside to-B's new window
+    assert pool.eviction.evictions_by == {("toC", "expired"): 2, ("toC", "capacity"): 6}
     pool.check_invariants()

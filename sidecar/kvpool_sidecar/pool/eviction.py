@@ -42,6 +42,7 @@ class Eviction:
         self.caps = list(settings.caps)  # each partition's share: its pages in use or pinned stay within it
         self.limits = list(settings.limits)  # the pages each may hold: to-C borrows to-B's idle share
         self.window_of = settings.window_of
+        self._windows: dict[Hashable, float] = {}  # by statistics class (a bounded set: keys.MAX_REQUEST_TYPES)
         self.low_watermark = settings.low_watermark
 
     def expired(self, page: int, now: float) -> bool:
@@ -50,6 +51,13 @@ class Eviction:
         expires after to-B's window). The one test of "expired": idle eviction takes only such pages,
         and the eviction counters file them under "expired" (the leaf path inlines it)."""
         return self.table.expires[page] < now
+
+    def _window(self, klass: Hashable) -> float:
+        """The reuse window of a statistics class's workload class (kept: read at every release)."""
+        window = self._windows.get(klass)
+        if window is None:
+            window = self._windows[klass] = self.window_of(workload_class_of(klass))
+        return window
 
     def take_hits(self, hits: list[int], user: str, now: float) -> tuple[int, list[tuple[Hashable, int, float]]]:
         """An admitted prefix's pages are in use again: out of their policies. Returns how many another
@@ -106,7 +114,7 @@ class Eviction:
         klass = seq.klass
         klass_of = t.klass
         expires = t.expires
-        expires_at = now + self.window_of(workload_class_of(klass))
+        expires_at = now + self._window(klass)
         pages = seq.pages
         home = seq.partition
         batch: list[int] = []
