@@ -114,7 +114,8 @@ class Eviction:
         klass = seq.klass
         klass_of = t.klass
         expires = t.expires
-        expires_at = now + self._window(klass)
+        window = self._windows.get(klass)  # self._window(klass), inlined for the common case
+        expires_at = now + (window if window is not None else self._window(klass))
         pages = seq.pages
         home = seq.partition
         batch: list[int] = []
