@@ -52,13 +52,6 @@ class Eviction:
         and the eviction counters file them under "expired" (the leaf path inlines it)."""
         return self.table.expires[page] < now
 
-    def _window(self, klass: Hashable) -> float:
-        """The reuse window of a statistics class's workload class (kept: read at every release)."""
-        window = self._windows.get(klass)
-        if window is None:
-            window = self._windows[klass] = self.window_of(workload_class_of(klass))
-        return window
-
     def take_hits(self, hits: list[int], user: str, now: float) -> tuple[int, list[tuple[Hashable, int, float]]]:
         """An admitted prefix's pages are in use again: out of their policies. Returns how many another
         user computed first, and the reuses to tell the reuse model: (class that released them, pages,
@@ -114,8 +107,10 @@ class Eviction:
         klass = seq.klass
         klass_of = t.klass
         expires = t.expires
-        window = self._windows.get(klass)  # self._window(klass), inlined for the common case
-        expires_at = now + (window if window is not None else self._window(klass))
+        window = self._windows.get(klass)
+        if window is None:  # a class's first release since the last (re)configure
+            window = self._windows[klass] = self.window_of(workload_class_of(klass))
+        expires_at = now + window
         pages = seq.pages
         home = seq.partition
         batch: list[int] = []
