@@ -30,7 +30,6 @@ _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 @functools.lru_cache(maxsize=256)  # windows are read per admission: a config holds a few durations
-@functools.lru_cache(maxsize=256)  # pure, and read per evicted page (a page's window)
 def parse_duration(text: str) -> float:
     """Seconds in a Kubernetes-style duration such as ``10s``, ``10m``, ``1h30m`` or ``168h``."""
     if not re.fullmatch(DURATION_PATTERN, text):
