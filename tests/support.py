@@ -33,7 +33,7 @@ def live_sidecar(
     config: SidecarConfig | None = None, *, pages: int = 256, config_path: Path | None = None,
     token: Any = None, poll_interval: float = 0.1, pre_evict_interval: float = 0.0,
     storage: KVStorage | None = None, transfer_keys: TransferKeys | None = None, engine_socket: str | None = None,
-    **limits: int,
+    engine_quarantine: float = 0.0, **limits: int,
 ) -> Iterator[tuple[str, Sidecar]]:
     if config is None:
         config = load_config(config_path) if config_path else SidecarConfig.model_validate(
@@ -43,7 +43,7 @@ def live_sidecar(
                       **limits)
     sidecar.mark_config_file_read()
     app = create_app(sidecar, token=token, poll_interval=poll_interval, pre_evict_interval=pre_evict_interval,
-                     engine_socket=engine_socket)
+                     engine_socket=engine_socket, engine_quarantine=engine_quarantine)
     with live_app(app) as url:
         yield url, sidecar
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpool_sidecar import wire
 from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, load_config
 from kvpool_sidecar.policies import POLICIES
 from kvpool_sidecar.replay import REFERENCE_POLICIES, SETUPS, TraceError, read_trace, report, run_matrix, synth, tune
@@ -94,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_level=args.log_level,
             kv_shape=args.kv_shape, transfer_key_file=args.transfer_key_file,
             engine_socket=None if args.engine_socket == "none" else args.engine_socket,
+            engine_quarantine=args.engine_quarantine_seconds,
             **{k: v for k in LIMIT_FLAGS if (v := getattr(args, k)) is not None},
         )
     )
@@ -202,6 +204,9 @@ def _add_serve(sub: Any) -> None:
                      help="live pin records one credential holds at most (default 4,096); past it: 429")
     srv.add_argument("--engine-socket", default="/tmp/kvpool/engine.sock",
                      help="the engine channel's Unix socket, where vLLM's KVPoolConnector connects ('none': off)")
+    srv.add_argument("--engine-quarantine-seconds", type=_seconds, default=wire.QUARANTINE_SECONDS,
+                     help="how long the pages of an engine session that ended stay out of circulation before they "
+                     f"are released (its engine may still be copying them; default {wire.QUARANTINE_SECONDS:g})")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.set_defaults(func=cmd_serve)
 

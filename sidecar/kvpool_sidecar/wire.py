@@ -22,11 +22,23 @@ from typing import Any
 import msgspec
 
 PROTOCOL = 1
-MAX_FRAME = 64 << 20  # bytes: 4,096 admissions of 4,096 32-byte hashes fit with room to spare
+MAX_FRAME = 64 << 20  # bytes of one frame after the hello (the connector keeps its steps under STEP_BYTES)
+MAX_HELLO = 16 << 10  # bytes of the first frame, read before anyone is authenticated (a model id is 4 KiB)
 MAX_OPS = 4096  # admissions, commits or releases in one step
-MAX_BLOCKS = 1 << 15  # block hashes in one admission (a million tokens in 32-token pages)
+MAX_BLOCKS = 1 << 15  # block hashes in one admission (a million tokens in 32-token pages); the connector
+# admits a longer prompt's first MAX_BLOCKS blocks, and a longer admission fails alone (field hashes)
 MAX_HASH_BYTES = 64
-MAX_SEQ_ID = 128
+MAX_SEQ_ID = 128  # characters of a session or sequence id; a longer sequence id fails its op alone
+# The channel's promise to engines: a lapsed session's pages (its connection ended) stay out of
+# circulation this long by default (the sidecar's --engine-quarantine-seconds). Its engine plans a step's
+# copies before it runs them and learns of a failed round trip at most its link's timeout_s (2 s by
+# default) later, so the copies already planned end within a step or two of that: a busy engine's
+# longest prefill step is seconds, and 30 s leaves an order of magnitude to spare while holding the
+# pages only briefly.
+QUARANTINE_SECONDS = 30.0
+# The connector's budget for one step's encoded size: a quarter of MAX_FRAME, so that its estimate
+# (:func:`admit_bytes`) may be off by 4x and the frame still fits.
+STEP_BYTES = MAX_FRAME // 4
 ROLES = ("scheduler", "worker")
 _LEN = struct.Struct(">I")
 
@@ -118,6 +130,7 @@ class StepReply(msgspec.Struct, tag="reply", array_like=True):
 Message = Hello | Welcome | Refused | Step | StepReply
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_hello_decoder = msgspec.msgpack.Decoder(Hello)  # the first frame: nothing else is decoded unauthenticated
 
 
 def frame(msg: Message) -> bytes:
@@ -125,20 +138,34 @@ def frame(msg: Message) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def frame_length(header: bytes) -> int:
+def frame_length(header: bytes, limit: int = MAX_FRAME) -> int:
     (n,) = _LEN.unpack(header)
-    if n > MAX_FRAME:
-        raise WireError(f"frame of {n} bytes: the limit is {MAX_FRAME}")
+    if n > limit:
+        raise WireError(f"frame of {n} bytes: the limit is {limit}")
     return n
 
 
 def decode(body: bytes) -> Message:
+    return _decode(_decoder, body)
+
+
+def decode_hello(body: bytes) -> Hello:
+    """The first frame of a connection, which must be a hello (read with the :data:`MAX_HELLO` cap)."""
+    return _decode(_hello_decoder, body)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, body: bytes) -> Any:
     try:
-        return _decoder.decode(body)
+        return decoder.decode(body)
     except msgspec.ValidationError as exc:
         raise WireError(f"invalid message: {exc}") from None
     except msgspec.DecodeError as exc:
         raise WireError(f"not a message: {exc}") from None
+
+
+def admit_bytes(op: Admit) -> int:
+    """An upper estimate of an admission's encoded size (the connector's step budget)."""
+    return 64 + len(op.seq_id) + sum(len(h) + 2 for h in op.hashes)
 
 
 def check_hello(msg: Hello) -> None:
@@ -153,10 +180,8 @@ def check_hello(msg: Hello) -> None:
 
 
 def check_step(msg: Step) -> None:
-    """The bounds of one step (each op's own rules are the pool's, answered per op)."""
+    """The bounds of one step as a whole; each op's own bounds (:data:`MAX_BLOCKS`, :data:`MAX_SEQ_ID`)
+    and rules are answered per op, so that one request over a bound never costs the session."""
     for name in ("admits", "commits", "releases"):
         if len(getattr(msg, name)) > MAX_OPS:
             raise WireError(f"{name}: at most {MAX_OPS} per step")
-    for i, adm in enumerate(msg.admits):
-        if len(adm.hashes) > MAX_BLOCKS:
-            raise WireError(f"admits.{i}.hashes: at most {MAX_BLOCKS} blocks")

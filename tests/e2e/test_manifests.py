@@ -196,9 +196,9 @@ def secret_behind(pod: dict, container: dict, path: str) -> tuple[str, str]:
 
 
 def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
-    """The sidecar's API, beyond loopback, needs tokens; the engine and the router present the `engine`
-    one from the same Secret; transfers are signed. The Secrets made by the commands in inference.yaml's
-    header are files the CLI accepts, with the roles each reader needs."""
+    """The sidecar's API, beyond loopback, needs tokens; the engine presents the `engine` one, the router
+    the `router` one (page transfer only) from the same Secret; transfers are signed. The Secrets made by
+    the commands in inference.yaml's header are files the CLI accepts, with the roles each reader needs."""
     from kvpool_sidecar.cli import build_parser
     from kvpool_sidecar.engines.settings import parse_settings
     from kvpool_sidecar.service.credentials import Credentials
@@ -224,7 +224,7 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     }
     assert wired == {"sidecar tokens": ("kvpool-sidecar-tokens", "tokens"),
                      "engine token": ("kvpool-sidecar-tokens", "engine"),
-                     "router's sidecar token": ("kvpool-sidecar-tokens", "engine"),
+                     "router's sidecar token": ("kvpool-sidecar-tokens", "router"),
                      "transfer keys": ("kvpool-transfer-keys", "keys")}
     # Run the header's commands with kubectl replaced by writing each literal to a file.
     header = [line.removeprefix("#").strip() for line in (MANIFESTS / "examples" / "inference.yaml").read_text()
@@ -237,7 +237,9 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     subprocess.run(["bash", "-ec", script], check=True, env={"PATH": f"{tmp_path}:/usr/bin:/bin", "OUT": str(tmp_path)})
     credentials = Credentials.parse((tmp_path / "kvpool-sidecar-tokens" / "tokens").read_text())
     engine_token = (tmp_path / "kvpool-sidecar-tokens" / "engine").read_text()
-    assert credentials.who(engine_token).role == "engine"  # page transfer and mapping the pool
+    assert credentials.who(engine_token).role == "engine"  # the engine channel and mapping the pool
+    router_token = (tmp_path / "kvpool-sidecar-tokens" / "router").read_text()
+    assert credentials.who(router_token).role == "router"  # page transfer, nothing else
     assert TransferKeys.load(tmp_path / "kvpool-transfer-keys" / "keys").signing[0] == "k1"
 
 

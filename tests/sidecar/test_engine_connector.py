@@ -172,19 +172,6 @@ def test_an_engine_that_dies_holding_sequences_gets_them_released_and_counted():
         link.close()
 
 
-def test_a_session_that_connects_again_replaces_the_old_one():
-    path, live = sidecar_with_channel()
-    with live as (_, sidecar):
-        old = SidecarLink(path, hello(session="same"))
-        wait_for(SchedulerSide(old, PS, session="a", lookup_wait=0.5), "r", hashes(3), 13, 0, None)
-        new = SidecarLink(path, hello(session="same"))
-        wait_for(SchedulerSide(new, PS, session="b", lookup_wait=0.5), "r", hashes(3, "q"), 13, 0, None)
-        settle(new, sidecar, lambda sc: sc.pool.stats().sequences == 1)
-        assert sidecar.metrics.registry.get_sample_value("kvpool_engine_sessions") == 1
-        old.close()
-        new.close()
-
-
 def test_keys_are_namespaced_by_the_model():
     path, live = sidecar_with_channel()
     with live as (_, sidecar):

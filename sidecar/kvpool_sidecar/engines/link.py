@@ -6,9 +6,12 @@ the sidecar is gone. :class:`SidecarLink` owns one thread and one connection: ca
 whatever has queued up as one step message (so a scheduler step's lookups, commits and releases cost one
 round trip, in the order they were queued). An admission returns a :class:`~concurrent.futures.Future`.
 
-The connection is the session's lease: when it breaks, the sidecar releases every sequence the session
-held, so nothing admitted before is valid any more. :attr:`SidecarLink.generation` counts connections;
-callers keep the generation their admission was answered on and drop what belongs to an older one. A
+The connection is the session's lease: when it breaks, the sidecar lets every sequence the session
+held lapse, so nothing admitted before is valid any more. :attr:`SidecarLink.generation` counts lost
+connections, and moves in the failure path itself, before any caller can plan another copy: callers keep
+the generation their admission was answered on and drop what belongs to an older one (the sidecar keeps
+the lapsed pages out of circulation for the copies planned before the failure). A step is kept under
+:data:`~kvpool_sidecar.wire.STEP_BYTES` (what does not fit goes in the next one). A
 failed connection marks the link down for a backoff that doubles up to a ceiling; while down
 :meth:`~SidecarLink.available` is False (callers skip the sidecar), and once the backoff has passed the
 next op reconnects. One warning when it goes down, one when it is back.
@@ -177,6 +180,11 @@ def fetch_welcome(path: str, hello: wire.Hello, timeout: float) -> wire.Welcome:
 _Item = tuple[str, Any, "Future | None"]
 
 
+def _size(item: _Item) -> int:
+    """An item's share of a step's bytes (an upper estimate)."""
+    return wire.admit_bytes(item[1]) if item[0] == "admit" else 64 + wire.MAX_SEQ_ID
+
+
 class SidecarLink:
     """Batched, asynchronous ops of one engine session against one sidecar (see the module doc)."""
 
@@ -188,7 +196,7 @@ class SidecarLink:
         self.timeout = timeout
         self.backoff = backoff or Backoff(f"sidecar {path}")
         self.report = Report()
-        self.generation = 0  # connections made so far; a sequence lives only as long as its connection
+        self.generation = 0  # connections lost so far; a sequence lives only as long as its connection
         self.round_trips = 0
         self._lock = threading.Lock()  # guards report
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
@@ -252,25 +260,38 @@ class SidecarLink:
                 continue
             if item is None:
                 return
-            batch = [item]
-            stop = False
-            while len(batch) < wire.MAX_OPS:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                batch.append(nxt)
-            self._send(batch)
-            if stop:
-                return
+            next_item: _Item | None = item
+            while next_item is not None:
+                next_item, stop = self._send_from(next_item)
+                if stop:
+                    return
+
+    def _send_from(self, item: _Item) -> tuple[_Item | None, bool]:
+        """Send ``item`` and what has queued behind it, up to a step's bounds (ops and bytes); returns the
+        first item left over for the next step, and whether the link is closing."""
+        batch = [item]
+        size = _size(item)
+        left: _Item | None = None
+        stop = False
+        while len(batch) < wire.MAX_OPS:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                stop = True
+                break
+            size += _size(nxt)
+            if size > wire.STEP_BYTES:
+                left = nxt
+                break
+            batch.append(nxt)
+        self._send(batch)
+        return left, stop
 
     def _connect(self) -> Connection:
         if self._conn is None:
             self._conn = Connection(self.path, self.hello, self.timeout)
-            self.generation += 1
         return self._conn
 
     def _send(self, batch: list[_Item]) -> None:
@@ -313,6 +334,8 @@ class SidecarLink:
         try:
             reply = conn.step(step)
         except (OSError, wire.WireError, Refused) as exc:
+            # Every admission of this connection is dead from here on: callers see it at their next plan.
+            self.generation += 1
             self._conn = None
             conn.close()
             if self.events is not None:  # what this engine announced is out of reach (maybe gone)

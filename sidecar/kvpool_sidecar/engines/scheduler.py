@@ -202,6 +202,9 @@ class SchedulerSide:
     def _admit(self, req_id: str, block_hashes: list[bytes], prompt_len: int,
                params: dict[str, Any] | None) -> _Request:
         self._next_id += 1
+        # A prompt longer than one admission may name: its first blocks go through the tier, the rest
+        # are computed (the sidecar would refuse the whole admission).
+        block_hashes = block_hashes[: wire.MAX_BLOCKS]
         req = _Request(f"{self._prefix}-{self._next_id}", prompt_len, len(block_hashes), asked_at=self.clock())
         self._requests[req_id] = req
         if block_hashes and self.link.available():

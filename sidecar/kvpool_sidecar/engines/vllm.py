@@ -93,7 +93,8 @@ class KVPoolConnector(KVConnectorBase_V1):
             log.warning("kvpool: kv_load_failure_policy is %r: a failed load fails its request; "
                         "'recompute' makes the engine recompute it instead", failure_policy)
         self.model = model_identity(vllm_config, kv_cache_config)
-        session = f"vllm-{getattr(vllm_config, 'instance_id', '') or 'x'}-{secrets.token_hex(4)}"
+        # Short enough that its sequence ids ("<session>-<n>") stay within the wire's bound.
+        session = f"vllm-{(getattr(vllm_config, 'instance_id', '') or 'x')[-48:]}-{secrets.token_hex(4)}"
         publish = self.settings.kv_events and role == KVConnectorRole.SCHEDULER
         if publish and not getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False):
             log.warning("kvpool: kv_events is set but vLLM's KV events are off (--kv-events-config "

@@ -17,10 +17,11 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool_sidecar.config import SidecarConfig
-from kvpool_sidecar.service.channel import EngineChannel
+from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, EngineChannel
 from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.service.http import (
     ERROR_RESPONSES,
+    TRANSFER_ROLES,
     TRANSFER_STATUS,
     BodyLimit,
     as_credentials,
@@ -46,9 +47,9 @@ def create_app(
     sidecar: Sidecar, *, token: str | Credentials | None = None, serve_metrics: bool = True, poll_interval: float = 0.5,
     pre_evict_interval: float = 1.0, on_shutdown: Callable[[], None] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_socket: str | None = None,
-) -> FastAPI:
+    engine_quarantine: float = DEFAULT_QUARANTINE) -> FastAPI:
     credentials = as_credentials(token)
-    channel = EngineChannel(sidecar, engine_socket, credentials) if engine_socket else None
+    channel = EngineChannel(sidecar, engine_socket, credentials, engine_quarantine) if engine_socket else None
     app = FastAPI(
         title="kvpool sidecar",
         version="0.1.0",
@@ -64,7 +65,7 @@ def create_app(
     app.include_router(sequence_routes(sidecar, auth))
     app.include_router(pin_routes(sidecar, auth))
     app.include_router(config_routes(sidecar, auth))
-    app.include_router(transfer_routes(sidecar, auth))
+    app.include_router(transfer_routes(sidecar, authenticate(credentials, TRANSFER_ROLES)))
 
     @app.exception_handler(transfer.TransferError)
     async def _transfer_error(_: Request, exc: transfer.TransferError) -> JSONResponse:

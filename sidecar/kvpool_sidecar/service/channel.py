@@ -5,11 +5,20 @@ pydantic: one msgpack frame in, one out, per scheduler step, each op applied und
 answered on its own (a bad op fails alone). Who the peer is comes from the token in its
 :class:`~kvpool_sidecar.wire.Hello` (the same credentials as the HTTP API), never from a message body.
 
-Sessions: a connection is its session's lease. The sidecar remembers every sequence a connection
-admitted and still holds; when the connection ends (the engine exited, crashed or was killed: the kernel
-closes its socket) those sequences are released at once and counted
-(``kvpool_engine_lapsed_sequences_total``). A new Hello for a live session id replaces the old
-connection (an engine restarted under the same id) and releases its sequences first.
+Authentication first: the first frame is read with a small cap (:data:`~kvpool_sidecar.wire.MAX_HELLO`)
+and decoded as a Hello only, within :data:`HELLO_TIMEOUT`, by at most :data:`MAX_HANDSHAKES` connections at
+once. Without a token file the channel serves only processes of the sidecar's own user (or root), by the
+peer's credentials from the kernel, and grants them the engine role, never admin.
+
+Sessions: a connection is its session's lease, and the sequences it admits are its own: commits and
+releases naming another connection's sequence fail (per op, as if it did not exist), whatever the
+token; no HTTP caller can commit, release or fork them either. A Hello naming a session whose
+connection is still open is refused (it waits :data:`TAKEOVER_WAIT` for the old one to end). When a
+connection ends (the engine exited, crashed or was killed, or its link failed a round trip) its
+sequences lapse (``kvpool_engine_lapsed_sequences_total``), but are released only after the quarantine
+(``quarantine`` seconds, ``kvpool_engine_quarantined_pages``): its engine's worker may still be copying
+into their fresh pages or out of their hit pages for a step or two, and until the quarantine ends no
+other writer can be handed those pages, nor can they be evicted.
 
 Keys: block hashes are namespaced by the session's model identity (model, revision, dtype, KV layout:
 the connector's ``model``), so an engine serving other weights never loads another model's pages.
@@ -23,12 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import socket
 import stat
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +50,17 @@ from kvpool_sidecar import wire
 from kvpool_sidecar.keys import DEFAULT_META, WorkloadMeta
 from kvpool_sidecar.pool import PoolError, UnknownSequence
 from kvpool_sidecar.service import models
-from kvpool_sidecar.service.credentials import ADMIN, Credentials, Principal
+from kvpool_sidecar.service.credentials import Credentials, Principal
 from kvpool_sidecar.service.http import ApiError, error_name, workload_meta
 from kvpool_sidecar.service.removals import RemovalFeed
 from kvpool_sidecar.service.state import HEAVY_PAGES, Sidecar
 
 log = logging.getLogger("kvpool.sidecar")
 HELLO_TIMEOUT = 5.0  # seconds a new connection has to say who it is
+MAX_HANDSHAKES = 64  # connections not yet authenticated at once; more are closed unread
+TAKEOVER_WAIT = 1.0  # seconds a hello naming a connected session waits for the old connection to end
+DEFAULT_QUARANTINE = wire.QUARANTINE_SECONDS
+ENGINE = Principal("engine")
 
 
 def namespace(model: str) -> bytes:
@@ -59,28 +75,35 @@ def namespaced(ns: bytes, hashes: list[bytes]) -> list[bytes]:
 
 
 class Session:
-    """One connection's engine: its principal, model namespace and the sequences it holds."""
+    """One connection's engine: its principal (owner of what it admits, this connection alone), model
+    namespace and the sequences it holds."""
 
-    def __init__(self, session_id: str, who: Principal, model: str) -> None:
+    def __init__(self, session_id: str, who: Principal, model: str, serial: int) -> None:
         self.id = session_id
-        self.who = who
+        self.who = dataclasses.replace(who, session=f"{session_id}#{serial}")
         self.ns = namespace(model)
         self.live: set[str] = set()
         self.feed: RemovalFeed | None = None
+        self.ended = asyncio.Event()
 
 
 class EngineChannel:
     """Serves :mod:`kvpool_sidecar.wire` on ``path`` for one :class:`Sidecar`."""
 
-    def __init__(self, sidecar: Sidecar, path: str | Path, credentials: Credentials | None) -> None:
+    def __init__(self, sidecar: Sidecar, path: str | Path, credentials: Credentials | None,
+                 quarantine: float = DEFAULT_QUARANTINE) -> None:
         self.sidecar = sidecar
         self.path = Path(path)
         self.credentials = credentials
-        self.sessions: dict[str, tuple[Session, asyncio.StreamWriter]] = {}
+        self.quarantine = quarantine
+        self.sessions: dict[str, Session] = {}
         self._server: asyncio.AbstractServer | None = None
+        self._serial = itertools.count(1)
+        self._handshakes = 0
+        self._releases: set[asyncio.Task] = set()  # quarantined sequences waiting for their release
 
     async def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_socket_dir(self.path)
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(self.path.lstat().st_mode):
                 if socket_in_use(self.path):
@@ -104,13 +127,24 @@ class EngineChannel:
         try:
             await asyncio.Event().wait()
         finally:
+            for task in list(self._releases):  # the pool goes with the sidecar
+                task.cancel()
             await self.close()
 
     # --------------------------------------------------------------------------- a connection
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session: Session | None = None
+        if self._handshakes >= MAX_HANDSHAKES:
+            log.warning("engine channel: %d connections have not said hello yet: closing a new one unread",
+                        self._handshakes)
+            writer.close()
+            return
         try:
-            hello = await asyncio.wait_for(_read(reader), HELLO_TIMEOUT)
+            self._handshakes += 1
+            try:
+                hello = await asyncio.wait_for(_read_hello(reader), HELLO_TIMEOUT)
+            finally:
+                self._handshakes -= 1
             if hello is None:
                 return
             session = await self._greet(hello, writer)
@@ -137,32 +171,33 @@ class EngineChannel:
                 await self._lapse(session)
             writer.close()
 
-    async def _greet(self, msg: wire.Message, writer: asyncio.StreamWriter) -> Session | None:
+    async def _greet(self, msg: wire.Hello, writer: asyncio.StreamWriter) -> Session | None:
         def refuse(error: str, detail: str, field: str = "") -> None:
             writer.write(wire.frame(wire.Refused(error, detail, field)))
 
-        if not isinstance(msg, wire.Hello):
-            refuse("protocol", "the first message must be a hello")
-            return None
         try:
             wire.check_hello(msg)
         except wire.WireError as exc:
             refuse("protocol", str(exc))
             return None
-        who = self._who(msg.token)
+        who, why = self._who(msg.token, writer)
         if who is None:
-            refuse("unauthorized", "a valid engine or admin token is required", "token")
+            refuse("unauthorized", why, "token")
             return None
-        session = Session(msg.session, who, msg.model)
+        session = Session(msg.session, who, msg.model, next(self._serial))
         if msg.role == "scheduler":
-            if msg.events:
-                session.feed = self.sidecar.removals.follow(session.ns)
             old = self.sessions.get(msg.session)
             if old is not None:
-                log.warning("engine session %s connected again: releasing what its old connection held", msg.session)
-                await self._lapse(old[0])
-                old[1].close()
-            self.sessions[msg.session] = (session, writer)
+                # An engine whose link failed reconnects under its id: its old connection is closing.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(old.ended.wait(), TAKEOVER_WAIT)
+                if not old.ended.is_set():
+                    refuse("session_in_use", f"session {msg.session!r} is connected: a connection takes a session "
+                           "id only once the connection that holds it has ended", "session")
+                    return None
+            if msg.events:
+                session.feed = self.sidecar.removals.follow(session.ns)
+            self.sessions[msg.session] = session
             self.sidecar.engine_fed = True
             self.sidecar.metrics.engine_sessions.set(len(self.sessions))
         sc = self.sidecar
@@ -171,38 +206,58 @@ class EngineChannel:
         await writer.drain()
         return session
 
-    def _who(self, token: str | None) -> Principal | None:
+    def _who(self, token: str | None, writer: asyncio.StreamWriter) -> tuple[Principal | None, str]:
+        """The peer's principal, or None and why not."""
         if self.credentials is None:
-            return ADMIN  # no token file: the socket's permissions are the only gate, as for loopback HTTP
+            # No token file: the kernel's word for who the peer is; the engine role, never admin.
+            uid = peer_uid(writer)
+            if uid is not None and uid in (os.getuid(), 0):
+                return ENGINE, ""
+            return None, (f"without a token file this sidecar serves only its own user (uid {os.getuid()}) on "
+                          f"the engine channel; the peer is uid {uid} (start the sidecar with --token-file)")
         who = self.credentials.who(token) if token else None
         if who is None or who.role not in ("admin", "engine"):
-            return None
-        return who
+            return None, "a valid engine or admin token is required"
+        return who, ""
 
     async def _lapse(self, session: Session) -> None:
-        """Release what a session still holds (its connection is gone or replaced)."""
+        """The session's connection is gone: what it held lapses, into quarantine."""
+        session.ended.set()
+        sc = self.sidecar
         if session.feed is not None:
-            self.sidecar.removals.unfollow(session.feed)
+            sc.removals.unfollow(session.feed)
             session.feed = None
-        current = self.sessions.get(session.id)
-        if current is not None and current[0] is session:
+        if self.sessions.get(session.id) is session:
             del self.sessions[session.id]
-            self.sidecar.metrics.engine_sessions.set(len(self.sessions))
+            sc.metrics.engine_sessions.set(len(self.sessions))
         if not session.live:
             return
         seqs, session.live = list(session.live), set()
+        pages = await sc.run_background(_pages_held, sc, seqs)
+        sc.metrics.lapsed_sequences.inc(len(seqs))
+        if self.quarantine <= 0:
+            await self._release(seqs, 0)
+            return
+        sc.metrics.quarantined_pages.inc(pages)
+        log.warning("engine session %s ended holding %d sequences: their %d pages stay out of circulation for "
+                    "%g s (its engine may still be copying them), then are released", session.id, len(seqs), pages,
+                    self.quarantine)
+        task = asyncio.create_task(self._release(seqs, pages, self.quarantine))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
-        def release_all() -> int:
-            n = 0
+    async def _release(self, seqs: list[str], pages: int, delay: float = 0.0) -> None:
+        if delay:
+            await asyncio.sleep(delay)
+        sc = self.sidecar
+
+        def release_all() -> None:
             for seq in seqs:
                 with contextlib.suppress(UnknownSequence):
-                    self.sidecar.release(seq)
-                    n += 1
-            return n
+                    sc.release(seq)
 
-        n = await self.sidecar.run_background(release_all, heavy=len(seqs) > 64)
-        self.sidecar.metrics.lapsed_sequences.inc(n)
-        log.warning("engine session %s ended holding %d sequences: released them", session.id, n)
+        await sc.run_background(release_all, heavy=len(seqs) > 64)
+        sc.metrics.quarantined_pages.dec(pages)
 
     # -------------------------------------------------------------------------------- a step
     async def _step(self, session: Session, msg: wire.Step) -> wire.StepReply:
@@ -228,13 +283,13 @@ class EngineChannel:
         commits: list[int | wire.Failed] = []
         for c in msg.commits:
             def commit(c: wire.Commit = c) -> int:
-                sc.check_owner(who, c.seq_id)
+                sc.check_owner(who, _seq_id(c.seq_id))
                 return pool.commit(c.seq_id, c.num_tokens)
             commits.append(_op(commit))
         releases: list[wire.Failed | None] = []
         for seq in msg.releases:
             def release(seq: str = seq) -> None:
-                sc.check_owner(who, seq)
+                sc.check_owner(who, _seq_id(seq))
                 sc.release(seq)
                 session.live.discard(seq)
             releases.append(_op(release))
@@ -248,14 +303,19 @@ class EngineChannel:
         return wire.StepReply(admits, commits, releases, removed_before, removed_after, lost or lost_after)
 
     def _admit(self, session: Session, adm: wire.Admit) -> wire.Admitted:
+        _seq_id(adm.seq_id)
         if not adm.hashes:
             raise ApiError(400, "invalid_request", "hashes must not be empty", "hashes")
+        if len(adm.hashes) > wire.MAX_BLOCKS:
+            raise ApiError(413, "too_large", f"{len(adm.hashes)} block hashes: at most {wire.MAX_BLOCKS} in one "
+                           "admission (the connector admits a longer prompt's first blocks)", "hashes")
         if any(not 0 < len(h) <= wire.MAX_HASH_BYTES for h in adm.hashes):
             raise ApiError(400, "invalid_request", f"each hash must be 1-{wire.MAX_HASH_BYTES} bytes", "hashes")
         meta = DEFAULT_META if adm.meta is None else _meta(adm.meta)
         sc = self.sidecar
         keys = namespaced(session.ns, adm.hashes)
-        # The channel admits only engine and admin credentials, which act for any tenant.
+        # The channel admits only engine and admin credentials, which act for any tenant; the sequence is
+        # this connection's alone.
         result = sc.admit(adm.seq_id, None, keys, adm.num_tokens, meta, owner=session.who)
         session.live.add(adm.seq_id)
         return wire.Admitted(result.page_ids, result.num_cached_tokens, sc.storage_epoch)
@@ -294,6 +354,39 @@ def _op(fn: Any) -> Any:
         return wire.Failed(exc.error, exc.detail, exc.field)
 
 
+def _seq_id(seq_id: str) -> str:
+    if not 0 < len(seq_id) <= wire.MAX_SEQ_ID:
+        raise ApiError(400, "invalid_request", f"seq_id must be 1-{wire.MAX_SEQ_ID} characters", "seq_id")
+    return seq_id
+
+
+def _pages_held(sc: Sidecar, seqs: list[str]) -> int:
+    live = sc.pool.sequences.live
+    return sum(len(live[s].pages) for s in seqs if s in live)
+
+
+def peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    """The connecting process's user id, from the kernel (SO_PEERCRED); None where unknown."""
+    sock = writer.get_extra_info("socket")
+    try:
+        _, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except (AttributeError, OSError):
+        return None
+    return uid
+
+
+def check_socket_dir(path: Path) -> None:
+    """Create the socket's directory (owner and group only), or refuse one that another user owns: its
+    owner could put a socket of their own in ours' place and receive the engines' tokens."""
+    parent = path.parent
+    parent.mkdir(mode=0o770, parents=True, exist_ok=True)
+    owner = parent.stat().st_uid
+    if owner not in (os.getuid(), 0):
+        raise OSError(f"--engine-socket {path}: its directory {parent} belongs to uid {owner}, neither this "
+                      f"sidecar's user (uid {os.getuid()}) nor root: whoever owns it could serve engines a socket "
+                      "of their own. Remove the directory or choose one this sidecar's user owns")
+
+
 def socket_in_use(path: Path) -> bool:
     """Whether something accepts connections on the Unix socket at ``path``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
@@ -307,11 +400,21 @@ def socket_in_use(path: Path) -> bool:
 
 async def _read(reader: asyncio.StreamReader) -> wire.Message | None:
     """The next message, or None at a clean end of the stream."""
+    body = await _read_frame(reader, wire.MAX_FRAME)
+    return None if body is None else wire.decode(body)
+
+
+async def _read_hello(reader: asyncio.StreamReader) -> wire.Hello | None:
+    """The first message, which must be a hello: read with the small cap, decoded as nothing else."""
+    body = await _read_frame(reader, wire.MAX_HELLO)
+    return None if body is None else wire.decode_hello(body)
+
+
+async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes | None:
     try:
         header = await reader.readexactly(4)
     except asyncio.IncompleteReadError as exc:
         if exc.partial:
             raise
         return None
-    n = wire.frame_length(header)
-    return wire.decode(await reader.readexactly(n))
+    return await reader.readexactly(wire.frame_length(header, limit))

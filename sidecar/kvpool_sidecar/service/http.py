@@ -119,8 +119,14 @@ def as_credentials(token: str | Credentials | None) -> Credentials | None:
     return Credentials([(token.encode(), ADMIN)]) if isinstance(token, str) else token
 
 
-def authenticate(credentials: Credentials | None) -> Callable[[Request], Awaitable[Principal]]:
-    """A dependency naming the caller from its bearer token (loopback without a token file: admin)."""
+API_ROLES = ("admin", "engine", "tenant")  # the roles the sequence, pin and config routes answer
+TRANSFER_ROLES = ("admin", "engine", "router")  # page export and import: the router's only business
+
+
+def authenticate(credentials: Credentials | None,
+                 roles: tuple[str, ...] = API_ROLES) -> Callable[[Request], Awaitable[Principal]]:
+    """A dependency naming the caller from its bearer token (loopback without a token file: admin) and
+    refusing (403) a credential whose role these routes do not serve."""
 
     async def who(request: Request) -> Principal:
         if credentials is None:
@@ -130,6 +136,7 @@ def authenticate(credentials: Credentials | None) -> Callable[[Request], Awaitab
         principal = credentials.who(given) if scheme.lower() == "bearer" else None
         if principal is None:
             raise ApiError(401, "unauthorized", "a valid bearer token is required", "authorization")
+        require(principal, *roles, what=f"{request.method} {request.url.path}")
         return principal
 
     return who

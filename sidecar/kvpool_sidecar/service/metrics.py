@@ -73,14 +73,6 @@ class SidecarMetrics:
             "kvpool_drift_events", "Reuse-rate drift beyond the configured threshold", ["workload_class"],
             registry=r,
         )
-        self.engine_sessions = Gauge(
-            "kvpool_engine_sessions", "Engine sessions connected on the engine channel (scheduler side)",
-            registry=r,
-        )
-        self.lapsed_sequences = Counter(
-            "kvpool_engine_lapsed_sequences", "Sequences released because their engine's session ended "
-            "(the engine exited, crashed or reconnected) while it still held them", registry=r,
-        )
         self.config_info = Gauge(
             "kvpool_config_info", "The config in force (value 1)", ["hash", "policy", "source"], registry=r,
         )
@@ -91,6 +83,18 @@ class SidecarMetrics:
         self._start_at_zero()
 
     def _define_engine_and_transfer(self, r: CollectorRegistry) -> None:
+        self.engine_sessions = Gauge(
+            "kvpool_engine_sessions", "Engine sessions connected on the engine channel (scheduler side)",
+            registry=r,
+        )
+        self.lapsed_sequences = Counter(
+            "kvpool_engine_lapsed_sequences", "Sequences whose engine session ended (the engine exited or "
+            "crashed, or its link failed) while it still held them: quarantined, then released", registry=r,
+        )
+        self.quarantined_pages = Gauge(
+            "kvpool_engine_quarantined_pages", "Pages of lapsed engine sessions held out of circulation until "
+            "their engine can no longer copy into or out of them (--engine-quarantine-seconds)", registry=r,
+        )
         self.transfer_pages = Counter(
             "kvpool_transfer_pages", "KV pages moved between sidecars (export: sent; import: written here)",
             ["direction"], registry=r,

@@ -165,7 +165,6 @@ def transfer_routes(sidecar: Sidecar, auth: Callable[..., Any]) -> APIRouter:
                                "content": {transfer.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
     async def export_pages(body: m.Prompt, who: Principal = Depends(auth)) -> Response:
         """Export the prompt's cached leading pages (KV and keys) for another sidecar's import."""
-        require(who, "admin", "engine", what="exporting pages")
         payload, pages = await sidecar.run(
             sidecar.export_prefix, body.tokens, body.block_hashes, body.num_tokens, workload_meta(body.meta), heavy=True
         )
@@ -180,7 +179,6 @@ def transfer_routes(sidecar: Sidecar, auth: Callable[..., Any]) -> APIRouter:
 
         The body is an export's payload, sent as application/vnd.kvpool.pages or application/octet-stream.
         """
-        require(who, "admin", "engine", what="importing pages")
         kind = request.headers.get("content-type", "").split(";")[0].strip()
         if kind not in (transfer.CONTENT_TYPE, "application/octet-stream"):
             raise ApiError(415, "unsupported_media_type", f"send the export payload as {transfer.CONTENT_TYPE}",

@@ -13,7 +13,7 @@ from prometheus_client import start_http_server
 
 from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.service.app import DEFAULT_MAX_BODY_BYTES, create_app
-from kvpool_sidecar.service.channel import socket_in_use
+from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, socket_in_use
 from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.service.membership import (
     KubernetesMembership,
@@ -57,6 +57,7 @@ class ServeOptions:
     max_sequence_tokens: int = DEFAULT_MAX_SEQUENCE_TOKENS
     max_pins_per_owner: int = DEFAULT_MAX_PINS_PER_OWNER
     engine_socket: str | None = DEFAULT_ENGINE_SOCKET  # the engine channel (None: off)
+    engine_quarantine: float = DEFAULT_QUARANTINE  # seconds a lapsed engine session's pages stay out of use
 
 
 def is_loopback(host: str) -> bool:
@@ -148,7 +149,8 @@ def serve(options: ServeOptions) -> None:
         # Metrics are read-only and open by design, but only where asked: loopback unless --metrics-host.
         start_http_server(options.metrics_port, options.metrics_host or "127.0.0.1", registry=sidecar.metrics.registry)
     app = create_app(sidecar, token=token, serve_metrics=not separate_metrics, on_shutdown=sidecar.close,
-                     max_body_bytes=options.max_body_bytes, engine_socket=options.engine_socket)
+                     max_body_bytes=options.max_body_bytes, engine_socket=options.engine_socket,
+                     engine_quarantine=options.engine_quarantine)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
     finally:

@@ -166,8 +166,16 @@ class Sidecar(ConfigReloads):
     # ------------------------------------------------------------------------- pool operations
     # ------------------------------------------------------------------------------ ownership
     def check_owner(self, who: Principal, seq_id: str) -> None:
-        """A tenant credential sees only the sequences it admitted (others answer as if absent)."""
-        if who.role == "tenant" and self._seq_owner.get(seq_id) != who.key:
+        """Who may act on a live sequence (to anyone else it answers as if absent):
+        * one an engine channel connection admitted: that connection alone (no other session, whatever
+          its token, and no HTTP caller, admin included: committing another's in-flight sequence would
+          publish pages its worker has not written);
+        * a tenant credential: only the sequences it admitted;
+        * engine and admin credentials over HTTP: any other sequence."""
+        owner = self._seq_owner.get(seq_id)
+        if owner == who.key:
+            return
+        if who.session is not None or who.role == "tenant" or (owner or "").startswith("session:"):
             raise UnknownSequence(f"no sequence {seq_id!r}", "seq_id")
 
     def release(self, seq_id: str) -> None:
