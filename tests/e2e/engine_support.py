@@ -44,7 +44,9 @@ class SidecarProcess:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [SIDECAR_BIN, "serve", "--port", str(self.port), "--pages", str(self.pages), "--kv-shape", KV_SHAPE,
-             "--config", str(self.config_path), "--log-level", "warning", "--engine-socket", self.socket],
+             "--config", str(self.config_path), "--log-level", "warning", "--engine-socket", self.socket,
+             # A lapsed session's pages come back after 2 s here (30 s by default), within the tests' waits.
+             "--engine-quarantine-seconds", "2"],
             start_new_session=True,
         )
         deadline = time.monotonic() + 30

@@ -203,23 +203,37 @@ def test_request_params_choose_nothing_unless_the_deployment_trusts_them():
 
 
 def test_a_hung_sidecar_costs_each_request_at_most_lookup_wait(caplog):
+    """Counted, not timed: each lookup's wait is the timeout it hands its future, on the scheduler's
+    clock, which moves exactly by what was waited."""
+    from concurrent.futures import Future
+    from concurrent.futures import TimeoutError as FutureTimeout
+
     path = socket_path()
     hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts (the kernel's backlog), never answers
     hung.bind(path)
     hung.listen(64)
+    now = [0.0]
+    waits: list[float] = []
+
+    class Unanswered(Future):
+        def result(self, timeout=None):
+            waits.append(timeout)
+            now[0] += timeout
+            raise FutureTimeout
+
     try:
         link = SidecarLink(path, hello(), timeout=5)
-        side = SchedulerSide(link, PS, session="s", lookup_wait=0.02)
-        start = time.perf_counter()
+        link.admit = lambda op: Unanswered()
+        side = SchedulerSide(link, PS, session="s", lookup_wait=0.02, clock=lambda: now[0])
         answers = [side.matched_tokens(f"r{i}", hashes(3, f"p{i}"), 13, 0, None) for i in range(20)]
         assert answers == [None] * 20  # ask again next step ...
-        assert time.perf_counter() - start < 0.1  # ... after 20 ms for the whole step, not 20 ms per request
-        time.sleep(0.02)
+        assert waits == [0.02] + [0.0] * 19  # ... after 20 ms for the whole step, not 20 ms per request
+        now[0] += 0.02  # the next step, 20 ms later
         side.plan([])
-        start = time.perf_counter()
+        waits.clear()
         with caplog.at_level(logging.WARNING, logger="kvpool.engine"):
             assert [side.matched_tokens(f"r{i}", hashes(3, f"p{i}"), 13, 0, None) for i in range(20)] == [0] * 20
-        assert time.perf_counter() - start < 0.01  # their own budget is spent: served without the pool now
+        assert waits == [0.0] * 20  # their own budget is spent: served without the pool, no wait
         late = [r.message for r in caplog.records if "not answered within lookup_wait_ms=20" in r.message]
         assert late == ["kvpool: 1 lookup(s) not answered within lookup_wait_ms=20 ran without the pool "
                         "(the sidecar is slow: starved of CPU?)"]  # one warning for the 20, not one each
@@ -233,9 +247,8 @@ def test_an_unreachable_sidecar_costs_no_wait_and_is_retried_with_backoff(caplog
     side = SchedulerSide(link, PS, session="s", lookup_wait=0.5)
     with caplog.at_level(logging.WARNING, logger="kvpool.engine"):
         assert wait_for(side, "a", hashes(3), 13, 0, None) == 0
-        start = time.perf_counter()
-        assert side.matched_tokens("b", hashes(3), 13, 0, None) == 0  # down: not even asked
-        assert time.perf_counter() - start < 0.01
+        assert side.matched_tokens("b", hashes(3), 13, 0, None) == 0
+        assert side._requests["b"].future is None  # down: not even asked, so nothing to wait for
         side.allocated("a", [1, 2, 3, 4], 0)
         assert side.plan([("a", [1, 2, 3, 4], True, 0, 13)]).saves == []  # nothing to save into
     assert sum("test sidecar unreachable" in r.message for r in caplog.records) == 1  # one warning, not one per request

@@ -39,7 +39,7 @@ from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import LayoutError, engine_layers
-from kvpool_sidecar.engines.identity import model_identity
+from kvpool_sidecar.engines.identity import IdentityError, hash_seed_problem, model_identity
 from kvpool_sidecar.engines.link import SidecarLink, fetch_welcome
 from kvpool_sidecar.engines.scheduler import SchedulerSide, StepDone, StepPlan
 from kvpool_sidecar.engines.settings import parse_settings
@@ -92,6 +92,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         if failure_policy != "recompute":
             log.warning("kvpool: kv_load_failure_policy is %r: a failed load fails its request; "
                         "'recompute' makes the engine recompute it instead", failure_policy)
+        if (problem := hash_seed_problem(vllm_config)) is not None:
+            raise IdentityError(f"KVPoolConnector: {problem}")
         self.model = model_identity(vllm_config, kv_cache_config)
         # Short enough that its sequence ids ("<session>-<n>") stay within the wire's bound.
         session = f"vllm-{(getattr(vllm_config, 'instance_id', '') or 'x')[-48:]}-{secrets.token_hex(4)}"
