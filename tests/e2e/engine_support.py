@@ -121,14 +121,18 @@ def connector_config(sidecar_socket: str, **extra: Any) -> dict[str, Any]:
 
 def make_engine(model_dir: Path, sidecar_socket: str | None, *, gpu_blocks: int = 80,
                 kv_events_endpoint: str | None = None, **extra: Any) -> Any:
-    """A vLLM engine (its own prefix cache off) with the kvpool connector, or without when
-    ``sidecar_socket`` is None; ``kv_events_endpoint``: vLLM's ZMQ KV event publisher on (connecting there)."""
+    """A vLLM engine with the kvpool connector, or without when ``sidecar_socket`` is None, and with its
+    own prefix cache on, as the manifests ship it (:func:`generate` empties it before each request, so
+    that what the engine does not compute comes from kvpool); ``kv_events_endpoint``: vLLM's ZMQ KV event
+    publisher on (connecting there) and the engine's own cache off (the stream then holds kvpool's
+    pages alone)."""
     from vllm import LLM
     from vllm.config import KVEventsConfig
 
     kwargs: dict[str, Any] = dict(
         model=str(model_dir), dtype="float32", block_size=BLOCK, max_model_len=2048, seed=0, enforce_eager=True,
-        num_gpu_blocks_override=gpu_blocks, enable_prefix_caching=False, gpu_memory_utilization=0.3,
+        num_gpu_blocks_override=gpu_blocks, enable_prefix_caching=kv_events_endpoint is None,
+        gpu_memory_utilization=0.3,
     )
     if sidecar_socket is not None:
         kwargs["kv_transfer_config"] = connector_config(sidecar_socket, **extra)
@@ -147,9 +151,12 @@ def prompt(seed: int, length: int) -> list[int]:
 def generate(llm: Any, tokens: list[int], *, params: dict[str, Any] | None = None, max_tokens: int = 12,
              fresh: bool = False) -> tuple[list[int], int]:
     """Greedy tokens and how many prompt tokens the engine did not compute. ``fresh``: the engine ignores
-    every cache (vLLM's skip_reading_prefix_cache): what it computes alone, the baseline."""
+    every cache (vLLM's skip_reading_prefix_cache): what it computes alone, the baseline. Otherwise the
+    engine's own prefix cache is emptied first (kvpool's tier is not): its hit is kvpool's."""
     from vllm import SamplingParams
 
+    if not fresh and llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
+        assert llm.reset_prefix_cache(), "vLLM's own prefix cache could not be reset"
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_reading_prefix_cache=fresh or None,
                         extra_args={"kv_transfer_params": params} if params else None)
     out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]

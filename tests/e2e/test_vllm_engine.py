@@ -1,8 +1,10 @@
-"""vLLM serves from kvpool: a real engine, the KVPoolConnector, a real sidecar process (one engine per module).
+"""vLLM serves from kvpool: a real engine, the KVPoolConnector, a real sidecar process.
 
-vLLM's own prefix cache is off, so every token the engine does not compute came from the pool. The
-baseline of each request is the same engine ignoring every cache (``skip_reading_prefix_cache``), i.e.
-what vLLM computes alone; greedy token ids are compared exactly.
+vLLM's own prefix cache is on, as shipped, and emptied before each request (``generate``), so every
+token the engine does not compute came from the pool. The baseline of each request is the same engine
+ignoring every cache (``skip_reading_prefix_cache``), i.e. what vLLM computes alone; greedy token ids
+are compared exactly. The module's engine is a restarted one: a first engine on the same weights saved
+a prompt and shut down before it started.
 """
 
 from __future__ import annotations
@@ -25,18 +27,33 @@ from kvpool_sidecar.storage import KVStorage
 PREFIX_BLOCKS = 12  # shared by the two requests of a pair: more than the 10 the issue asks for
 
 
+RESTART_PROBE = 50  # the prompt seed the first engine saved before its restart
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     folder = tmp_path_factory.mktemp("engine")
     model = build_tiny_model(folder / "model")
     sidecar = SidecarProcess(folder)
     sidecar.start()
+    first = make_engine(model, sidecar.socket)
+    generate(first, pair(RESTART_PROBE)[0])  # saved by the first engine ...
+    first.llm_engine.engine_core.shutdown()  # ... which then stops; the engine below is its restart
+    del first
     llm = make_engine(model, sidecar.socket)
+    # Read at once, before any test (test c restarts the sidecar, which empties the pool).
+    second = pair(RESTART_PROBE)[1]
+    restarted = (generate(llm, second, fresh=True)[0], *generate(llm, second))
     try:
-        yield llm, sidecar
+        yield llm, sidecar, restarted
     finally:
         llm.llm_engine.engine_core.shutdown()
         sidecar.stop()
+
+
+def test_an_engine_restarted_on_the_same_weights_loads_the_pages_it_saved_before(stack):
+    _, _, (baseline, tokens, from_pool) = stack
+    assert from_pool >= PREFIX_BLOCKS * BLOCK and tokens == baseline
 
 
 def pair(seed: int) -> tuple[list[int], list[int]]:
@@ -46,7 +63,7 @@ def pair(seed: int) -> tuple[list[int], list[int]]:
 
 
 def test_a_shared_prefix_is_loaded_from_kvpool_and_gives_the_same_tokens(stack):
-    llm, sidecar = stack
+    llm, sidecar, _ = stack
     first, second = pair(100)
     loaded_before = sidecar.metric('kvpool_connector_tokens_total{direction="loaded"}')
     baseline, computed_alone = generate(llm, second, fresh=True)
@@ -63,7 +80,7 @@ def test_a_shared_prefix_is_loaded_from_kvpool_and_gives_the_same_tokens(stack):
 
 def test_b_altered_pages_change_the_tokens(stack):
     """Negative control: the loaded KV is what the engine attends to."""
-    llm, sidecar = stack
+    llm, sidecar, _ = stack
     first, _ = pair(200)
     # Less than a block past the shared prefix: the altered run computes no new full block, so it saves
     # nothing derived from the altered KV, and restoring the bytes restores the pool.
@@ -85,7 +102,7 @@ def test_b_altered_pages_change_the_tokens(stack):
 
 
 def test_c_the_engine_serves_through_a_sidecar_kill_and_uses_kvpool_again_after_restart(stack):
-    llm, sidecar = stack
+    llm, sidecar, _ = stack
     first, second = pair(300)
     baseline, _ = generate(llm, second, fresh=True)
     stale = sidecar.kill()  # no clean-up runs (the multiprocessing tracker may still unlink the segment)
@@ -106,7 +123,7 @@ def test_c_the_engine_serves_through_a_sidecar_kill_and_uses_kvpool_again_after_
 
 
 def test_d_a_policy_change_in_the_config_file_takes_effect_while_the_engine_runs(stack):
-    llm, sidecar = stack
+    llm, sidecar, _ = stack
     old_hash = sidecar.get("/v1/config")["hash"]
     sidecar.write_config({"pageSize": BLOCK, "eviction": {"policy": "fifo"}})
     deadline = time.monotonic() + 20
@@ -130,7 +147,7 @@ def test_d_a_policy_change_in_the_config_file_takes_effect_while_the_engine_runs
 def test_e_a_client_naming_a_tenant_or_class_in_its_request_chooses_nothing(stack):
     """An OpenAI body's kv_transfer_params are the client's: by default the engine's configured tenant
     and class apply, so naming another tenant neither isolates nor reaches anything of that tenant."""
-    llm, sidecar = stack
+    llm, sidecar, _ = stack
     same, _ = pair(500)
     baseline, _ = generate(llm, same, fresh=True)
     toc_before = sidecar.metric('kvpool_lookup_tokens_total{workload_class="toB"')
@@ -144,7 +161,7 @@ def test_e_a_client_naming_a_tenant_or_class_in_its_request_chooses_nothing(stac
 
 def test_f_a_request_finishing_in_its_saving_step_keeps_its_save(stack):
     """max_tokens=1: the request ends in the step that computes (and saves) its prompt."""
-    llm, sidecar = stack
+    llm, sidecar, _ = stack
     first, second = pair(600)
     baseline, _ = generate(llm, second, fresh=True)
     generate(llm, first, max_tokens=1)
@@ -158,7 +175,7 @@ def test_g_a_hung_sidecar_costs_no_stall_and_leaks_nothing_once_it_resumes(stack
     lapsed session's sequences are released once their quarantine ends."""
     import signal
 
-    llm, sidecar = stack
+    llm, sidecar, _ = stack
     prompts = [pair(700 + i)[0] for i in range(6)]
     baselines = [generate(llm, p, fresh=True)[0] for p in prompts]
     os.kill(sidecar.proc.pid, signal.SIGSTOP)
@@ -190,7 +207,7 @@ def test_h_an_aborted_request_keeps_the_saves_it_completed(stack):
     released only after they were committed; the next request with its prefix loads them."""
     from vllm import SamplingParams
 
-    llm, sidecar = stack
+    llm, sidecar, _ = stack
     first, second = pair(800)
     baseline, _ = generate(llm, second, fresh=True)
     engine = llm.llm_engine
@@ -207,7 +224,7 @@ def test_h_an_aborted_request_keeps_the_saves_it_completed(stack):
 
 
 def test_connector_state_is_released_with_the_requests(stack):
-    _, sidecar = stack
+    _, sidecar, _ = stack
     deadline = time.monotonic() + 10  # the last release travels asynchronously
     while (stats := sidecar.get("/v1/stats"))["sequences"] or stats["in_use_pages"]:
         assert time.monotonic() < deadline, stats

@@ -598,3 +598,15 @@ def test_callers_cannot_make_the_pool_hold_a_class_per_request_type_they_invent(
     assert types == {f"type-{i}" for i in range(MAX_REQUEST_TYPES)} | {OTHER_REQUEST_TYPES}
     assert pool.class_of(WorkloadMeta(request_type="type-3")).request_type == "type-3"  # the known keep theirs
     pool.check_invariants()
+
+
+def test_tenants_named_by_callers_hold_a_bounded_salt_cache_and_keep_their_own_keys():
+    from kvpool_sidecar.pool.pool import MAX_CACHED_SALTS
+
+    pool = make_pool(tenancy={"isolation": "perTenant"})
+    run(pool, "t0", [1, 2, 3, 4, 5], WorkloadMeta(tenant="acme"))
+    for i in range(MAX_CACHED_SALTS + 100):  # a trusted gateway naming a tenant per request
+        pool.lookup([1, 2, 3, 4, 5], meta=WorkloadMeta(tenant=f"t{i}"))
+    assert len(pool._salts) <= MAX_CACHED_SALTS  # the cache of salts is bounded
+    assert pool.lookup([1, 2, 3, 4, 5], meta=WorkloadMeta(tenant="acme")) == 4  # acme's keys, recomputed alike
+    assert pool.lookup([1, 2, 3, 4, 5], meta=WorkloadMeta(tenant="t1")) == 0

@@ -116,6 +116,13 @@ class KVPoolConnector(KVConnectorBase_V1):
                 trust_request_params=self.settings.trust_request_params,
             )
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save that does not happen is a future miss, so a request preempted with
+        saves pending may finish normally (vLLM recomputes it otherwise). Nothing of a save is left to
+        read from the engine's blocks by then: the worker writes a step's saves before the step returns."""
+        return False
+
     # ================================================================== scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None

@@ -57,6 +57,9 @@ log = logging.getLogger("kvpool.pool")
 # sidecar's background task): each needs its depth (a walk up the tree), about 0.3 ms per call at a
 # prompt depth of 64 pages, so a switch at a million pages stalls nothing.
 HANDOVER_PAGES_PER_CALL = 64
+# Tenant salts kept computed: callers name tenants (a trusted gateway may name any), so the cache is
+# bounded; past it, it starts over (a salt is one keyed hash to recompute).
+MAX_CACHED_SALTS = 4096
 
 
 class PagePool:
@@ -191,6 +194,8 @@ class PagePool:
     def _salt(self, tenant: str) -> bytes:
         salt = self._salts.get(tenant)
         if salt is None:
+            if len(self._salts) >= MAX_CACHED_SALTS:  # a cache: callers name tenants, salts are recomputable
+                self._salts.clear()
             salt = self._salts[tenant] = tenant_salt(tenant)
         return salt
 
