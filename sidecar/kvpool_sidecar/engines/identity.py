@@ -26,7 +26,7 @@ from typing import Any
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 # vLLM's block-hash functions that are not collision resistant: it seeds them from os.urandom unless
-# PYTHONHASHSEED is set (vllm/v1/core/kv_cache_utils.py, resolve_none_hash_seed).
+# PYTHONHASHSEED is set (resolve_none_hash_seed in vLLM's v1 kv_cache_utils module).
 RANDOM_SEEDED_HASHES = ("xxhash", "xxhash_cbor")
 
 
