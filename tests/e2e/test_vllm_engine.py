@@ -3,8 +3,8 @@
 vLLM's own prefix cache is on, as shipped, and emptied before each request (``generate``), so every
 token the engine does not compute came from the pool. The baseline of each request is the same engine
 ignoring every cache (``skip_reading_prefix_cache``), i.e. what vLLM computes alone; greedy token ids
-are compared exactly. The module's engine is a restarted one: a first engine on the same weights saved
-a prompt and shut down before it started.
+are compared exactly. The module's engine shared its sidecar with a second engine process first (which
+was killed -9 mid-request).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,32 +28,71 @@ from kvpool_sidecar.storage import KVStorage
 PREFIX_BLOCKS = 12  # shared by the two requests of a pair: more than the 10 the issue asks for
 
 
-RESTART_PROBE = 50  # the prompt seed the first engine saved before its restart
+PEER_PROBES = (50, 60, 70)  # prompt seeds of the two-engine phase of the fixture
+
+
+def engine_processes(before: set[int]) -> list[Any]:
+    """The processes an engine started (its EngineCore): this process's children not in ``before``."""
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
+    """Two engines on one sidecar, then the second alone: the module's engine. Read at once, before any
+    test (test c restarts the sidecar, which empties the pool)."""
+    import psutil
+
     folder = tmp_path_factory.mktemp("engine")
     model = build_tiny_model(folder / "model")
     sidecar = SidecarProcess(folder)
     sidecar.start()
-    first = make_engine(model, sidecar.socket)
-    generate(first, pair(RESTART_PROBE)[0])  # saved by the first engine ...
-    first.llm_engine.engine_core.shutdown()  # ... which then stops; the engine below is its restart
-    del first
-    llm = make_engine(model, sidecar.socket)
-    # Read at once, before any test (test c restarts the sidecar, which empties the pool).
-    second = pair(RESTART_PROBE)[1]
-    restarted = (generate(llm, second, fresh=True)[0], *generate(llm, second))
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    a = make_engine(model, sidecar.socket)
+    a_procs = engine_processes(children)
+    b = make_engine(model, sidecar.socket)  # a second engine process on the same weights, A alive
+    seen: dict[str, Any] = {}
+    generate(a, pair(PEER_PROBES[0])[0])  # A saves, B loads (as an engine restarted on these weights would)
+    seen["b loads a"] = (generate(b, pair(PEER_PROBES[0])[1], fresh=True)[0], *generate(b, pair(PEER_PROBES[0])[1]))
+    generate(b, pair(PEER_PROBES[1])[0])  # and the other way round
+    seen["a loads b"] = (generate(a, pair(PEER_PROBES[1])[1], fresh=True)[0], *generate(a, pair(PEER_PROBES[1])[1]))
+    # A is killed -9 in the middle of a request that holds pool pages; B goes on, alone on the sidecar.
+    from vllm import SamplingParams
+
+    lapsed = sidecar.metric("kvpool_engine_lapsed_sequences_total")
+    a.llm_engine.add_request("a-dies", {"prompt_token_ids": pair(PEER_PROBES[2])[0]},
+                             SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    while not any(o.outputs and o.outputs[0].token_ids for o in a.llm_engine.step()):
+        pass
+    for proc in a_procs:
+        proc.kill()
+    deadline = time.monotonic() + 30
+    while sidecar.metric("kvpool_engine_lapsed_sequences_total") <= lapsed:
+        assert time.monotonic() < deadline, "the killed engine's session never lapsed"
+        time.sleep(0.05)
+    second = pair(PEER_PROBES[2])[1]
+    seen["b after a died"] = (generate(b, second, fresh=True)[0], *generate(b, second))
     try:
-        yield llm, sidecar, restarted
+        yield b, sidecar, seen
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        b.llm_engine.engine_core.shutdown()
         sidecar.stop()
 
 
-def test_an_engine_restarted_on_the_same_weights_loads_the_pages_it_saved_before(stack):
-    _, _, (baseline, tokens, from_pool) = stack
+def test_two_engines_on_one_sidecar_load_what_the_other_saved(stack):
+    """Each engine process has its own session (its own lease); pages are shared by key. A second
+    process on the same weights finds the first's pages, as an engine restarted on them does."""
+    _, _, seen = stack
+    for who in ("b loads a", "a loads b"):
+        baseline, tokens, from_pool = seen[who]
+        assert from_pool >= PREFIX_BLOCKS * BLOCK and tokens == baseline, who
+
+
+def test_an_engine_killed_mid_request_leaves_the_other_serving_from_the_pool(stack):
+    """The prompt the dead engine was decoding had been saved and committed: the survivor loads it."""
+    _, _, seen = stack
+    baseline, tokens, from_pool = seen["b after a died"]
     assert from_pool >= PREFIX_BLOCKS * BLOCK and tokens == baseline
 
 
