@@ -26,8 +26,10 @@ SIDECAR_BIN = str(Path(sys.executable).with_name("kvpool-sidecar"))
 class SidecarProcess:
     """``kvpool-sidecar serve`` on 127.0.0.1 with an embedded shared CPU pool; restartable on its port."""
 
-    def __init__(self, folder: Path, pages: int = 256, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, folder: Path, pages: int = 256, config: dict[str, Any] | None = None,
+                 kv_shape: str = KV_SHAPE) -> None:
         self.folder = folder
+        self.kv_shape = kv_shape
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.socket = socket_path()
@@ -43,7 +45,7 @@ class SidecarProcess:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [SIDECAR_BIN, "serve", "--port", str(self.port), "--pages", str(self.pages), "--kv-shape", KV_SHAPE,
+            [SIDECAR_BIN, "serve", "--port", str(self.port), "--pages", str(self.pages), "--kv-shape", self.kv_shape,
              "--config", str(self.config_path), "--log-level", "warning", "--engine-socket", self.socket,
              # A lapsed session's pages come back after 2 s here (30 s by default), within the tests' waits.
              "--engine-quarantine-seconds", "2"],
@@ -120,7 +122,7 @@ def connector_config(sidecar_socket: str, **extra: Any) -> dict[str, Any]:
 
 
 def make_engine(model_dir: Path, sidecar_socket: str | None, *, gpu_blocks: int = 80,
-                kv_events_endpoint: str | None = None, **extra: Any) -> Any:
+                kv_events_endpoint: str | None = None, tensor_parallel: int = 1, **extra: Any) -> Any:
     """A vLLM engine with the kvpool connector, or without when ``sidecar_socket`` is None, and with its
     own prefix cache on, as the manifests ship it (:func:`generate` empties it before each request, so
     that what the engine does not compute comes from kvpool); ``kv_events_endpoint``: vLLM's ZMQ KV event
@@ -134,12 +136,16 @@ def make_engine(model_dir: Path, sidecar_socket: str | None, *, gpu_blocks: int 
         num_gpu_blocks_override=gpu_blocks, enable_prefix_caching=kv_events_endpoint is None,
         gpu_memory_utilization=0.3,
     )
+    env = engine_env()
+    if tensor_parallel > 1:  # one core per rank, bound by hand (vLLM-CPU finds no NUMA node to bind)
+        kwargs.update(tensor_parallel_size=tensor_parallel, distributed_executor_backend="mp")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tensor_parallel))
     if sidecar_socket is not None:
         kwargs["kv_transfer_config"] = connector_config(sidecar_socket, **extra)
     if kv_events_endpoint is not None:
         kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                                     endpoint=kv_events_endpoint, topic="kv")
-    with environment(engine_env()):
+    with environment(env):
         return LLM(**kwargs)
 
 

@@ -1,5 +1,5 @@
-"""Tensor and pipeline parallelism are refused at start-up, naming the setting (the pool has no rank axis
-yet: two ranks would write their shards into the same pages). vLLM's own config objects, no engine."""
+"""Pipeline parallelism is refused at start-up, naming the setting (a stage holds some of the layers;
+tensor parallelism is supported: test_vllm_tensor_parallel.py). vLLM's own config objects, no engine."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from kvpool_sidecar.engines.blocks import LayoutError
 from kvpool_sidecar.engines.tiny_model import build_tiny_model
 
 
-@pytest.mark.parametrize("setting", ["tensor_parallel_size", "pipeline_parallel_size"])
-def test_a_parallel_engine_is_refused_naming_the_setting(tmp_path_factory, setting):
+@pytest.mark.parametrize("setting", ["pipeline_parallel_size"])
+def test_a_pipeline_parallel_engine_is_refused_naming_the_setting(tmp_path_factory, setting):
     from kvpool_sidecar.engines.vllm import KVPoolConnector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.engine.arg_utils import EngineArgs

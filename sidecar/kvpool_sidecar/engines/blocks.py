@@ -8,6 +8,13 @@ An engine keeps one tensor per layer; its blocks are found along the dimension o
   apart): the page's layer row holds the parts one after the other.
 So a load or a save is a plain row copy (``storage`` kernels: Triton on CUDA, torch on CPU), and the
 bytes in the pool mean whatever the engine's attention backend reads. Other layouts are refused.
+
+Tensor parallelism: each of ``ranks`` workers holds its share of the KV heads, and a page holds every
+rank's share of its block: the page's row (per layer and part) is the ranks' rows one after the other,
+rank ``r`` reading and writing its own ``1/ranks`` of it. So ``--kv-shape``'s kv_heads is the heads of
+all ranks together (a head replicated on several ranks counts once per rank). The bytes are the
+engine's, in the order its ranks hold them: the connector puts the tensor-parallel size in the model's
+identity, so that an engine of another degree never meets these pages.
 """
 
 from __future__ import annotations
@@ -51,8 +58,9 @@ def engine_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[E
     return layers
 
 
-def check_compatible(layers: list[EngineLayer], block_size: int, handle: dict[str, Any]) -> None:
-    """Refuse a pool whose page size, layer count, dtype or per-layer page size differ from the engine's."""
+def check_compatible(layers: list[EngineLayer], block_size: int, handle: dict[str, Any], ranks: int = 1) -> None:
+    """Refuse a pool whose page size, layer count, dtype or per-layer page size differ from the engine's
+    (``ranks`` tensor-parallel workers of this shape together)."""
     shape = ModelShape(**handle["shape"])
     page_size = handle["page_size"]
     if page_size != block_size:
@@ -65,29 +73,39 @@ def check_compatible(layers: list[EngineLayer], block_size: int, handle: dict[st
         raise LayoutError(f"the pool's dtype is {shape.dtype}, the engine's KV dtype {dtype}")
     pool_row = 2 * page_size * shape.kv_heads * shape.head_dim
     for layer in layers:
-        engine_row = layer.parts * layer.rows.shape[1]
+        engine_row = layer.parts * layer.rows.shape[1] * ranks
         if engine_row != pool_row:
+            of = f"{ranks} tensor-parallel ranks' blocks" if ranks > 1 else "an engine block"
             raise LayoutError(
                 f"a pool page holds {pool_row} elements per layer (2 x {page_size} x {shape.kv_heads} kv heads x "
-                f"{shape.head_dim} head dim), an engine block of {layer.name} {engine_row}: --kv-shape must be "
-                "the model's layers,kv_heads,head_dim,dtype"
+                f"{shape.head_dim} head dim), {of} of {layer.name} {engine_row}: --kv-shape must be the model's "
+                "layers,kv_heads,head_dim,dtype (kv_heads: of all ranks together)"
             )
 
 
 class PageCopier:
-    """Copies whole blocks between the engine's layers and a mapped pool tensor."""
+    """Copies whole blocks between the engine's layers and a mapped pool tensor (rank ``rank`` of
+    ``ranks`` tensor-parallel workers: its own share of each page row)."""
 
-    def __init__(self, layers: list[EngineLayer], backend: str | None = None) -> None:
+    def __init__(self, layers: list[EngineLayer], backend: str | None = None, rank: int = 0, ranks: int = 1) -> None:
         self.layers = layers
         self.num_layers = len(layers)
+        self.rank, self.ranks = rank, ranks
         self._kernels: Any = reference
-        if choose_backend(layers[0].rows.device, backend) is not Backend.TORCH:
+        if ranks > 1 and backend not in (None, "torch"):
+            raise LayoutError(f"kernels {backend!r} move whole page rows, and a tensor-parallel rank's share of a "
+                              "row is a strided view: leave kernels unset (or 'torch') with tensor_parallel_size > 1")
+        if ranks == 1 and choose_backend(layers[0].rows.device, backend) is not Backend.TORCH:
             from kvpool_sidecar.storage import kernels
 
             self._kernels = kernels
 
     def _pool_rows(self, pool_kv: torch.Tensor, parts: int) -> torch.Tensor:
-        return pool_kv.view(pool_kv.shape[0] * self.num_layers * parts, -1)
+        rows = pool_kv.view(pool_kv.shape[0] * self.num_layers * parts, -1)
+        if self.ranks == 1:
+            return rows
+        width = rows.shape[1] // self.ranks
+        return rows[:, self.rank * width : (self.rank + 1) * width]
 
     def _row_ids(self, pages: list[int], blocks: list[int], li: int, layer: EngineLayer) -> tuple[torch.Tensor, ...]:
         n_blocks = layer.rows.shape[0] // layer.parts

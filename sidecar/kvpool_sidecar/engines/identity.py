@@ -10,7 +10,8 @@ changes the KV bytes a prompt leaves behind:
   loaded (a content address: re-pulled weights of another commit are another identity) and its files;
 * the model's config as the engine applied it (``hf_config``: RoPE scaling, ``hf_overrides``), its
   quantization, dtypes and KV cache dtype (fp8 scales come with the weights or ``calculate_kv_scales``);
-* the KV layout (block size, layers, the KV cache spec) and the block-hash function.
+* the KV layout (block size, layers, the KV cache spec, the tensor-parallel degree) and the block-hash
+  function.
 
 The engine's block hashes must also be the same across its restarts, or every page is unreachable
 after one: :func:`hash_seed_problem` names the setting that breaks that.
@@ -68,8 +69,9 @@ def _config_of(mc: Any) -> Any:
     return {k: v for k, v in to_dict().items() if k not in UNSTABLE_CONFIG_KEYS and not k.startswith("_")}
 
 
-def model_identity(vllm_config: Any, kv_cache_config: Any) -> str:
-    """A stable string naming the served model and its KV layout (vLLM objects read by attribute)."""
+def model_identity(vllm_config: Any, kv_cache_config: Any, ranks: int = 1) -> str:
+    """A stable string naming the served model and its KV layout (vLLM objects read by attribute);
+    ``ranks``: the tensor-parallel workers whose shares a page holds, in their order (part of the layout)."""
     mc = getattr(vllm_config, "model_config", None)
     cc = getattr(vllm_config, "cache_config", None)
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
@@ -92,6 +94,7 @@ def model_identity(vllm_config: Any, kv_cache_config: Any) -> str:
         "block_size": getattr(cc, "block_size", None),
         "layers": len(groups[0].layer_names) if groups else None,
         "kv_spec": repr(spec),
+        "tensor_parallel": ranks,
         "weights": weight_files(snapshot or model),
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]

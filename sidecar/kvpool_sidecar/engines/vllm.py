@@ -35,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
 from kvpool_sidecar import wire
@@ -79,12 +80,12 @@ class KVPoolConnector(KVConnectorBase_V1):
         self.settings = parse_settings(self._kv_transfer_config.kv_connector_extra_config)
         self.block_size = vllm_config.cache_config.block_size
         parallel = vllm_config.parallel_config
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if getattr(parallel, name, 1) > 1:
-                raise LayoutError(
-                    f"KVPoolConnector does not support {name}={getattr(parallel, name)} yet: every rank would "
-                    "write its shard into the same pool pages. Run it with tensor_parallel_size=1 and "
-                    "pipeline_parallel_size=1, or without the connector")
+        if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+            raise LayoutError(
+                f"KVPoolConnector does not support pipeline_parallel_size={parallel.pipeline_parallel_size} yet: "
+                "a stage holds some of the layers, and the pool's pages are keyed by all of them. Run it with "
+                "pipeline_parallel_size=1 (tensor parallelism is supported), or without the connector")
+        self.ranks = getattr(parallel, "tensor_parallel_size", 1)  # each writes its share of every page
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:
             raise LayoutError(f"KVPoolConnector supports one KV cache group, the model has {len(groups)}")
@@ -94,7 +95,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                         "'recompute' makes the engine recompute it instead", failure_policy)
         if (problem := hash_seed_problem(vllm_config)) is not None:
             raise IdentityError(f"KVPoolConnector: {problem}")
-        self.model = model_identity(vllm_config, kv_cache_config)
+        self.model = model_identity(vllm_config, kv_cache_config, self.ranks)
         # Short enough that its sequence ids ("<session>-<n>") stay within the wire's bound.
         session = f"vllm-{(getattr(vllm_config, 'instance_id', '') or 'x')[-48:]}-{secrets.token_hex(4)}"
         publish = self.settings.kv_events and role == KVConnectorRole.SCHEDULER
@@ -112,6 +113,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                                events=EventLog() if publish else None)
             self._scheduler = SchedulerSide(
                 link, self.block_size, session=session, lookup_wait=self.settings.lookup_wait_ms / 1000,
+                world_size=self.ranks,
                 default_meta=self.settings.defaults.model_dump(),
                 trust_request_params=self.settings.trust_request_params,
             )
@@ -203,8 +205,9 @@ class KVPoolConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = engine_layers(kv_caches, self._kv_cache_config.num_blocks)
         socket_path, hello, timeout = self.settings.socket, self._hello, self.settings.timeout_s
+        rank = get_tensor_model_parallel_rank() if self.ranks > 1 else 0
         self._worker = WorkerSide(lambda: fetch_welcome(socket_path, hello, timeout), layers, self.block_size,
-                                  backend=self.settings.kernels)
+                                  backend=self.settings.kernels, rank=rank, ranks=self.ranks)
         self._worker.attach(strict=True)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

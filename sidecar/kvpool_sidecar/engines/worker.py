@@ -6,9 +6,11 @@ Safety rules (a wrong KV page is a wrong answer):
   reported so the engine recomputes those blocks, a failed save is reported so that the scheduler never
   commits it (nor anything of that request after it);
 * the worker never commits: it reports each step it ran (:class:`~.scheduler.StepDone`, through the
-  engine's own worker-to-scheduler metadata) and the scheduler commits a step's saves once every rank
-  has reported it. Requests that had saves are reported in ``finished_sending`` once the engine says
-  they finished, so their release follows their commits.
+  engine's own worker-to-scheduler metadata, which vLLM aggregates over its ranks) and the scheduler
+  commits a step's saves once every rank has reported it, none of them failed (a tensor-parallel
+  rank writes its share of each page: a page is whole only when every rank's share is in). Requests
+  that had saves are reported in ``finished_sending`` once the engine says they finished, so their
+  release follows their commits.
 
 The worker talks to the sidecar only to fetch the pool's storage handle (at start and after a restart).
 """
@@ -30,11 +32,13 @@ log = logging.getLogger("kvpool.engine")
 
 class WorkerSide:
     def __init__(self, welcome: Callable[[], wire.Welcome], layers: list[EngineLayer], block_size: int, *,
-                 backend: str | None = None, backoff: Backoff | None = None) -> None:
+                 backend: str | None = None, backoff: Backoff | None = None, rank: int = 0, ranks: int = 1) -> None:
         self.welcome = welcome  # the sidecar's storage handle, fetched on the channel
         self.layers = layers
         self.block_size = block_size
-        self.copier = PageCopier(layers, backend)
+        self.ranks = ranks  # tensor-parallel workers: each copies its share of every page
+        self.counts_tokens = rank == 0  # tokens moved are counted once, by the first rank (failures by each)
+        self.copier = PageCopier(layers, backend, rank, ranks)
         self.backoff = backoff or Backoff("sidecar (worker)")
         self.done = StepDone()  # what the next worker metadata carries
         self._saved: set[str] = set()  # requests that had a save job (they finish through finished_sending)
@@ -72,7 +76,7 @@ class WorkerSide:
         if welcome.storage is None:
             raise LayoutError("the sidecar keeps no KV storage: start it with --kv-shape")
         try:
-            check_compatible(self.layers, self.block_size, welcome.storage)
+            check_compatible(self.layers, self.block_size, welcome.storage, self.ranks)
         except LayoutError as exc:
             if self._incompatible != str(exc):
                 log.error("kvpool: refusing the pool: %s", exc)
@@ -119,7 +123,8 @@ class WorkerSide:
                 continue
             loaded += len(job.pages) * self.block_size
         failures = sum(1 for job in jobs if failed.intersection(job.blocks))
-        self.done.report.loaded_tokens += loaded
+        if self.counts_tokens:
+            self.done.report.loaded_tokens += loaded
         if failures:
             self.done.report.fail("load", failures)
         return failed
@@ -131,7 +136,7 @@ class WorkerSide:
             if not self._save(job):
                 self.done.failed_saves.add((plan.step, job.req_id))
                 self.done.report.fail("save")
-            else:
+            elif self.counts_tokens:
                 self.done.report.saved_tokens += len(job.pages) * self.block_size
         self.done.steps[plan.step] = self.done.steps.get(plan.step, 0) + 1
 
