@@ -128,6 +128,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"per page of {args.page_size} tokens: {p.bytes_per_page / 2**20:.2f} MiB")
     print(f"GPU {gpu / gib:.1f} GiB - weights {args.params * 2 / gib:.1f} GiB - 10 % reserve = "
           f"{p.kv_budget_bytes / gib:.1f} GiB for KV: {p.pages} pages, {p.pages * args.page_size} tokens")
+    if args.tier_multiple or args.pool_pages:
+        _plan_tier(args, p.pages, p.bytes_per_page)
     if p.rule_of_thumb_bytes is not None:
         print(f"rule of thumb (not a measurement): HBM = params x 1.2 + max_seq_len x batch x d_model x 2.5 = "
               f"{p.rule_of_thumb_bytes / gib:.1f} GiB")
@@ -141,6 +143,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"recommended page size: {planning.recommend_page_size(rows)} tokens "
               "(the largest wasting at most 2 % of the slots)")
     return 0
+
+
+def _plan_tier(args: argparse.Namespace, gpu_pages: int, bytes_per_page: int) -> None:
+    """The second tier's pages and what its pod needs: the shm volume and the sidecar's memory limit."""
+    from kvpool_sidecar.storage import memory
+
+    pages = args.pool_pages or round(args.tier_multiple * gpu_pages)
+    segment = memory.segment_bytes(bytes_per_page, pages)
+    print(f"second tier: --pages {pages} ({pages / max(gpu_pages, 1):.2f} x the GPU's KV), "
+          f"{segment / 2**30:.1f} GiB of shared memory")
+    print(f"memory volume sizeLimit >= {memory.gib_ceil(segment)}Gi; sidecar container memory limit >= "
+          f"{memory.gib_ceil(memory.sidecar_memory_bytes(segment, pages))}Gi (it allocates the segment at start-up "
+          "and is charged for it, plus its process and bookkeeping and 10 % headroom)")
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -281,6 +296,10 @@ def _add_plan(sub: Any) -> None:
     pln.add_argument("--batch", type=_positive_int)
     pln.add_argument("--d-model", type=_positive_int)
     pln.add_argument("--trace", help="recommend a page size from this trace's prompt lengths")
+    tier = pln.add_mutually_exclusive_group()
+    tier.add_argument("--tier-multiple", type=_above_zero("must be above 0"),
+                      help="size the second tier as this multiple of the GPU's KV pages (prints --pages and memory)")
+    tier.add_argument("--pool-pages", type=_positive_int, help="the second tier's pages (prints its memory)")
     pln.set_defaults(func=cmd_plan)
 
 

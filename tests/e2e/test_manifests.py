@@ -371,3 +371,125 @@ def test_the_inference_pool_and_its_router_count_kvpools_tier():
     assert 0 < tiers["cpu"] < tiers["gpu"]  # "cpu": vLLM's medium "CPU", the one kvpool's events carry
     used = {p["pluginRef"] for prof in config["schedulingProfiles"] for p in prof["plugins"]}
     assert "precise-prefix-cache-scorer" in used and used <= {p["type"] for p in config["plugins"]}
+
+
+def _quantity(text: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    for unit, size in units.items():
+        if text.endswith(unit):
+            return int(text.removesuffix(unit)) * size
+    return int(text)
+
+
+def sidecar_pods() -> list[tuple[dict, dict, object, int]]:
+    """Every manifest container that runs the sidecar: (pod spec, container, its flags, its pool's page bytes)."""
+    from kvpool_sidecar.cli import build_parser
+    from kvpool_sidecar.service.server import parse_shape
+
+    page_size = next(doc for _, doc in documents() if doc["kind"] == "KVCachePolicy")["spec"]["pageSize"]
+    found = []
+    for _, doc in documents():
+        if doc["kind"] != "Deployment":
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        for c in pod["containers"]:
+            if c.get("args", [None])[0] == "serve":
+                served = build_parser().parse_args(c["args"])
+                if served.kv_shape:
+                    found.append((pod, c, served, parse_shape(served.kv_shape).bytes_per_page(page_size)))
+    assert found, "no manifest runs a sidecar with a pool"
+    return found
+
+
+def test_every_sidecar_container_has_the_memory_its_pool_needs_by_the_one_formula():
+    """The sidecar allocates its pool's segment at start-up and is charged for it: its container's
+    limit, and the memory volume holding the segment, follow storage/memory.py's formula, as
+    `kvpool-sidecar plan` prints it in the manifest's header."""
+    from kvpool_sidecar.storage import memory
+
+    for pod, container, served, page_bytes in sidecar_pods():
+        segment = memory.segment_bytes(page_bytes, served.pages)
+        limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+        assert _quantity(limits["memory"]) >= memory.sidecar_memory_bytes(segment, served.pages)
+        assert _quantity(requests["memory"]) == _quantity(limits["memory"])  # never overcommitted on the node
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        assert _quantity(volumes[shm["name"]]["emptyDir"]["sizeLimit"]) >= segment
+    # The header's plan command prints the flags and sizes the example uses.
+    header = (MANIFESTS / "examples" / "inference.yaml").read_text()
+    command = re.search(r"#  \$ (kvpool-sidecar plan .*)\n", header)
+    assert command is not None
+    sidecar_bin = str(Path(subprocess.os.sys.executable).with_name("kvpool-sidecar"))
+    out = subprocess.run([sidecar_bin, *command.group(1).split()[1:]], capture_output=True, text=True, check=True)
+    pod, container, served, _ = sidecar_pods()[0]
+    assert f"--pages {served.pages} " in out.stdout
+    assert f"sidecar container memory limit >= {container['resources']['limits']['memory']}" in out.stdout
+    size = next(v for v in pod["volumes"] if v["name"] == "kvpool-shm")["emptyDir"]["sizeLimit"]
+    assert f"memory volume sizeLimit >= {size}" in out.stdout
+
+
+def _start(args: list[str]) -> tuple[subprocess.Popen, str]:
+    import sys
+    import time
+
+    from support import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("kvpool-sidecar")), "serve", *args, "--port", str(port),
+                             "--engine-socket", "none", "--log-level", "warning"], stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/healthz", timeout=0.5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    return proc, url
+
+
+def _touched(proc: subprocess.Popen, url: str) -> int:
+    """What the sidecar process is charged for now: its resident memory and its segment's allocated pages."""
+    name = httpx.get(url + "/v1/storage/handle", timeout=5).json()["name"]
+    status = Path(f"/proc/{proc.pid}/status").read_text()
+    rss = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+    return rss + Path("/dev/shm", name).stat().st_blocks * 512
+
+
+def test_the_example_sidecar_started_scaled_down_fits_its_limit_scaled_up():
+    """The example's sidecar, its own arguments at 1/512 and 1/128 of its pages: what start-up touches
+    grows linearly with the pages; extended to the example's pages it fits the container's limit with
+    the formula's headroom to spare."""
+    from kvpool_sidecar.storage import memory
+
+    _, container, served, _ = sidecar_pods()[0]
+    keep = {"--kv-shape": served.kv_shape}
+    points = []
+    for scale in (512, 128):
+        pages = served.pages // scale
+        args = [a for k, v in keep.items() for a in (k, v)] + ["--pages", str(pages)]
+        proc, url = _start(args)
+        try:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            points.append((pages, _touched(proc, url)))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    (p1, t1), (p2, t2) = points
+    per_page = (t2 - t1) / (p2 - p1)
+    at_full = t2 + per_page * (served.pages - p2)
+    limit = _quantity(container["resources"]["limits"]["memory"])
+    assert at_full * (1 + memory.HEADROOM) <= limit, (at_full / 2**30, limit / 2**30)
+
+
+def test_a_pool_larger_than_its_shm_mount_is_refused_at_start_naming_the_sizes():
+    import os
+
+    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    pages = free // (2 * 2 * 64 * 4 * 32) + 1024  # the tiny model's pages, a thousand more than fit
+    proc, _ = _start(["--kv-shape", "2,2,64,float32", "--pages", str(pages)])
+    proc.wait(60)
+    err = proc.stderr.read() if proc.stderr else ""
+    assert proc.returncode != 0
+    assert "of shared memory, and the shm mount has" in err and "GiB free" in err and "--pages" in err
+    assert "Bus error" not in err and proc.returncode != -7  # not a SIGBUS

@@ -173,3 +173,27 @@ def test_a_named_instance_removes_the_segments_its_killed_predecessor_left():
     assert os.path.exists(f"/dev/shm/{other.handle()['name']}")  # another instance's segment is not touched
     second.close()
     other.close()
+
+
+def test_a_pool_that_would_exceed_its_containers_memory_is_refused_naming_the_sizes():
+    from kvpool_sidecar.storage import memory
+
+    gib = 2**30
+    memory.check_fits(10 * gib, 20 * gib, (16 * gib, 2 * gib), 1000)  # fits both
+    with pytest.raises(memory.PoolDoesNotFit, match=r"need 10.00 GiB of shared memory, and the shm mount has 5.00 GiB"):
+        memory.check_fits(10 * gib, 5 * gib, None, 1000)
+    with pytest.raises(memory.PoolDoesNotFit, match=r"memory limit is 8.00 GiB with 2.00 GiB in use.*give the "
+                       r"container 11.\d\d GiB"):
+        memory.check_fits(10 * gib, 20 * gib, (8 * gib, 2 * gib), 1000)
+
+
+def test_a_shared_pool_is_host_memory_allocated_at_start_without_being_written():
+    storage = KVStorage(ModelShape(2, 1, 8, "float32"), 4, pages=64, shared=True)
+    try:
+        path = os.path.join("/dev/shm", storage.handle()["name"])
+        assert os.stat(path).st_blocks * 512 >= storage.num_pages * storage.shape.bytes_per_page(4)  # allocated
+        assert storage.device.type == "cpu" and not storage.kv.any()  # the kernel's zeros
+    finally:
+        storage.close()
+    with pytest.raises(ValueError, match="host memory"):
+        KVStorage(ModelShape(2, 1, 8, "float32"), 4, pages=4, shared=True, device="cuda")

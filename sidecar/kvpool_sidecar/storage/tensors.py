@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from kvpool_sidecar.storage import reference
+from kvpool_sidecar.storage import memory, reference
 from kvpool_sidecar.storage.backend import Backend, choose_backend
 
 MAGIC = 0x4B56504F4F4C3031  # "KVPOOL01"
 HEADER = struct.Struct("<QQ")  # magic, epoch
-HEADER_BYTES = 64  # keeps the data 64-byte aligned
+HEADER_BYTES = memory.SEGMENT_HEADER_BYTES  # 64: keeps the data 64-byte aligned
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 if hasattr(torch, "float8_e4m3fn"):
@@ -93,20 +93,29 @@ class KVStorage:
         if pages < 1:
             raise ValueError("the budget does not hold a single page")
         self.num_pages = pages
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if shared and device not in (None, "cpu"):
+            raise ValueError(f"a shared pool lives in host memory (the engine maps it): device {device!r} is not cpu")
+        # A shared pool is host memory even beside a GPU: the engine's workers map it and copy to their device.
+        self.device = torch.device("cpu" if shared else device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.backend = choose_backend(self.device, backend)
         self.epoch = secrets.randbits(63)
         dims = (pages, shape.layers, 2, page_size, shape.kv_heads, shape.head_dim)
         self._shm: shared_memory.SharedMemory | None = None
         if shared and self.device.type == "cpu":
-            nbytes = HEADER_BYTES + pages * shape.bytes_per_page(page_size)
+            nbytes = memory.segment_bytes(shape.bytes_per_page(page_size), pages)
             prefix = f"kvpool-{instance}-" if instance else "kvpool-"
             if instance:
                 remove_stale_segments(prefix)
+            memory.check_fits(nbytes, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
             self._shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{prefix}{self.epoch:x}")
+            try:
+                memory.reserve(os.path.join(SHM_DIR, self._shm.name.lstrip("/")), nbytes)  # zeros, not written
+            except memory.PoolDoesNotFit:
+                self._shm.close()
+                self._shm.unlink()
+                raise
             HEADER.pack_into(self._shm.buf, 0, MAGIC, self.epoch)
             self.kv = _tensor_on(self._shm, dims, shape.torch_dtype)
-            self.kv.zero_()
         else:
             self.kv = torch.zeros(dims, dtype=shape.torch_dtype, device=self.device)
         self._kernels: Any = reference
