@@ -456,3 +456,36 @@ def test_a_second_sidecar_refuses_a_live_engine_socket_and_takes_over_a_stale_on
     stale.close()
     with live_sidecar(CONFIG, pages=8, engine_socket=path):
         assert fetch_welcome(path, hello(), 2).page_size == PS
+
+
+def test_the_forward_path_never_waits_for_a_remap():
+    """A job for a pool the worker has not mapped (the sidecar restarted) fails at once while the new
+    handle is fetched on another thread, here held up until the test lets it go; later jobs use it."""
+    import threading
+
+    old, new = (KVStorage(SHAPE, PS, pages=8, shared=True) for _ in range(2))
+    answering = threading.Event()
+    current = [old]
+
+    def welcome():
+        if current[0] is new:
+            answering.wait(30)  # a sidecar slow to answer the hello
+        return wire.Welcome("s", current[0].handle(), PS)
+
+    try:
+        kv = engine_kv(6, "cpu")
+        worker = WorkerSide(welcome, engine_layers(kv, 6), PS)
+        worker.attach(strict=True)
+        assert worker.load([LoadJob("r", old.epoch, [0], [1])]) == set()
+        current[0] = new  # the sidecar restarted: a new pool, a new epoch
+        assert worker.load([LoadJob("r", new.epoch, [0], [1])]) == {1}  # failed now, the engine recomputes
+        assert not answering.is_set()  # ... while the remap still waits for the sidecar
+        answering.set()
+        deadline = time.monotonic() + 10
+        while worker.load([LoadJob("r", new.epoch, [0], [2])]):
+            assert time.monotonic() < deadline, "the background remap never completed"
+            time.sleep(0.01)
+        worker.close()
+    finally:
+        old.close()
+        new.close()

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import LayoutError, engine_layers
@@ -87,8 +88,13 @@ class KVPoolConnector(KVConnectorBase_V1):
                 "pipeline_parallel_size=1 (tensor parallelism is supported), or without the connector")
         self.ranks = getattr(parallel, "tensor_parallel_size", 1)  # each writes its share of every page
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
-        if len(groups) > 1:
-            raise LayoutError(f"KVPoolConnector supports one KV cache group, the model has {len(groups)}")
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        if len(groups) > 1 or any(not isinstance(g.kv_cache_spec, FullAttentionSpec) for g in groups):
+            # A sliding-window group's blocks outside its window are vLLM's null block: a load or a save
+            # by block ids would write or read the wrong bytes there. Refused until each kind is handled.
+            raise LayoutError(f"KVPoolConnector supports one full-attention KV cache group; this model has "
+                              f"{len(groups)}: {', '.join(kinds)} (sliding-window and hybrid models are not "
+                              "supported yet: run them without the connector)")
         failure_policy = self._kv_transfer_config.kv_load_failure_policy
         if failure_policy != "recompute":
             log.warning("kvpool: kv_load_failure_policy is %r: a failed load fails its request; "

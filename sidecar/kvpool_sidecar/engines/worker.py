@@ -12,12 +12,15 @@ Safety rules (a wrong KV page is a wrong answer):
   that had saves are reported in ``finished_sending`` once the engine says they finished, so their
   release follows their commits.
 
-The worker talks to the sidecar only to fetch the pool's storage handle (at start and after a restart).
+The worker talks to the sidecar only to fetch the pool's storage handle: at start, and after a restart
+on a thread of its own, never in the forward path (a job for a pool it has not mapped yet fails at
+once, as above, and the new mapping is taken up by a later step's jobs).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 from kvpool_sidecar import wire
@@ -42,7 +45,10 @@ class WorkerSide:
         self.backoff = backoff or Backoff("sidecar (worker)")
         self.done = StepDone()  # what the next worker metadata carries
         self._saved: set[str] = set()  # requests that had a save job (they finish through finished_sending)
-        self._mapped: AttachedKV | None = None
+        self._mapped: AttachedKV | None = None  # used and replaced by the forward path's thread only
+        self._fresh: AttachedKV | None = None  # a new pool's mapping, made by the background remap
+        self._remapping: threading.Thread | None = None
+        self._handoff = threading.Lock()  # guards _fresh between the two threads
         self._incompatible: str | None = None
 
     # ----------------------------------------------------------------------------- mapping
@@ -51,7 +57,7 @@ class WorkerSide:
         (another page size or shape, no KV storage, a segment this process cannot map) raises
         :class:`LayoutError`; an unreachable one only warns (the engine serves without it until it answers)."""
         try:
-            self._remap()
+            self._mapped = self._attach_new()
         except SidecarDown as exc:
             log.warning("kvpool: the sidecar is not reachable at start-up (%s); serving without it until it is", exc)
         except LayoutError:
@@ -61,7 +67,8 @@ class WorkerSide:
             if strict:
                 raise LayoutError(f"the sidecar's pool cannot be mapped here: {exc}") from None
 
-    def _remap(self) -> None:
+    def _attach_new(self) -> AttachedKV:
+        """The sidecar's current pool, mapped (the old mapping is left to the forward path to close)."""
         if not self.backoff.available():
             raise SidecarDown("backing off")
         try:
@@ -83,13 +90,17 @@ class WorkerSide:
             self._incompatible = str(exc)
             raise
         self._incompatible = None
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None
-        self._mapped = KVStorage.attach(welcome.storage)
+        return KVStorage.attach(welcome.storage)
 
     def _mapping(self, epoch: int) -> AttachedKV | None:
-        """A live mapping of the pool of ``epoch``, or None (that pool is gone or unreachable)."""
+        """A live mapping of the pool of ``epoch``, or None at once (that pool is gone, or not mapped yet:
+        a remap starts in the background)."""
+        with self._handoff:
+            fresh, self._fresh = self._fresh, None
+        if fresh is not None:  # swapped here, on the forward path's thread: no copy uses the old one now
+            old, self._mapped = self._mapped, fresh
+            if old is not None:
+                old.close()
         mapped = self._mapped
         if mapped is not None and mapped.epoch == epoch:
             try:
@@ -97,12 +108,24 @@ class WorkerSide:
                 return mapped
             except StaleHandle:
                 pass
+        self._remap_soon()
+        return None
+
+    def _remap_soon(self) -> None:
+        if (self._remapping is not None and self._remapping.is_alive()) or not self.backoff.available():
+            return
+        self._remapping = threading.Thread(target=self._remap_in_background, name="kvpool-remap", daemon=True)
+        self._remapping.start()
+
+    def _remap_in_background(self) -> None:
         try:
-            self._remap()
+            fresh = self._attach_new()
         except (LayoutError, SidecarDown, StaleHandle, Refused, ValueError, OSError):
-            return None
-        mapped = self._mapped
-        return mapped if mapped is not None and mapped.epoch == epoch else None
+            return
+        with self._handoff:
+            stale, self._fresh = self._fresh, fresh
+        if stale is not None:  # never handed to the forward path
+            stale.close()
 
     # ------------------------------------------------------------------------------- moving
     def load(self, jobs: list[LoadJob]) -> set[int]:
@@ -167,6 +190,7 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None
+        for mapped in (self._mapped, self._fresh):
+            if mapped is not None:
+                mapped.close()
+        self._mapped = self._fresh = None
