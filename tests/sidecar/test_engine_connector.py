@@ -489,3 +489,22 @@ def test_the_forward_path_never_waits_for_a_remap():
     finally:
         old.close()
         new.close()
+
+
+def test_under_pressure_a_request_loads_its_hits_and_saves_what_fits():
+    """The pool cannot hold the whole prompt: the request is not turned away, it loads its cached prefix
+    and saves as many of its next blocks as there are pages."""
+    path, live = sidecar_with_channel(pages=16)
+    with live as (_, sidecar):
+        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
+        save_whole(side, "first", hashes(3), 13, [1, 2, 3, 4])
+        settle(side.link, sidecar)
+        free = sidecar.pool.eviction.obtainable(0, []) - 3  # what the to-C partition can give, not evicting
+        wait_for(side, "hog", hashes(free - 2, "g"), (free - 2) * PS + 1, 0, None)  # all but two pages held
+        prompt = hashes(3) + hashes(10, "new")
+        assert wait_for(side, "big", prompt, 13 * PS + 1, 0, None) == 3 * PS  # its hits, though 10 pages lack
+        side.allocated("big", list(range(20, 34)), 3 * PS)
+        plan = side.plan([("big", list(range(20, 34)), True, 3 * PS, 10 * PS + 1)])
+        assert [(len(j.pages), j.blocks) for j in plan.loads] == [(3, [20, 21, 22])]
+        assert [j.blocks for j in plan.saves] == [[23, 24]]  # the two pages there were
+        side.link.close()

@@ -186,6 +186,7 @@ class SchedulerSide:
             req.future = None
             req.generation = gen
             req.page_ids = result.page_ids
+            req.num_pages = min(req.num_pages, len(result.page_ids))  # a pool under pressure admits fewer
             req.epoch = result.epoch
             req.pool_pages = result.cached_tokens // self.block_size
             req.saved = req.published = req.pool_pages

@@ -48,7 +48,7 @@ from pydantic import ValidationError
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.keys import DEFAULT_META, WorkloadMeta
-from kvpool_sidecar.pool import PoolError, UnknownSequence
+from kvpool_sidecar.pool import PoolError, PoolExhausted, UnknownSequence
 from kvpool_sidecar.service import models
 from kvpool_sidecar.service.credentials import Credentials, Principal
 from kvpool_sidecar.service.http import ApiError, error_name, workload_meta
@@ -316,7 +316,17 @@ class EngineChannel:
         keys = namespaced(session.ns, adm.hashes)
         # The channel admits only engine and admin credentials, which act for any tenant; the sequence is
         # this connection's alone.
-        result = sc.admit(adm.seq_id, None, keys, adm.num_tokens, meta, owner=session.who)
+        try:
+            result = sc.admit(adm.seq_id, None, keys, adm.num_tokens, meta, owner=session.who)
+        except PoolExhausted as exc:
+            # Under pressure the request keeps what the pool can give: its hits to load, and as many of
+            # its leading blocks to save as there are pages (fewer answered pages tell the connector).
+            fits = len(keys) - exc.needed + exc.evictable
+            if fits < 1:
+                raise
+            ps = sc.pool.page_size
+            result = sc.admit(adm.seq_id, None, keys[:fits], min(adm.num_tokens, fits * ps), meta,
+                              owner=session.who)
         session.live.add(adm.seq_id)
         return wire.Admitted(result.page_ids, result.num_cached_tokens, sc.storage_epoch)
 
