@@ -133,7 +133,14 @@ def settle(llm, sidecar, sub, *, quiet_s: float = 1.0, timeout_s: float = 20.0) 
     raise AssertionError("the event stream did not settle")
 
 
-def test_the_stream_shows_every_page_kvpool_stored_and_evicted_in_the_engines_own_hashes(stack):
+def test_the_stream_shows_every_page_kvpool_stored_and_evicted_then_loses_them_with_the_sidecar(stack):
+    """One test, in this order: the second part reads a stream the first part wrote (the module's
+    engine and subscriber live across tests, and the run's order is random)."""
+    stream_shows_every_page_kvpool_stored_and_evicted_in_the_engines_own_hashes(stack)
+    a_lost_sidecar_takes_its_pages_out_of_the_stream_one_removal_each(stack)
+
+
+def stream_shows_every_page_kvpool_stored_and_evicted_in_the_engines_own_hashes(stack):
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
     llm, sidecar, sub = stack
@@ -186,7 +193,7 @@ def test_the_stream_shows_every_page_kvpool_stored_and_evicted_in_the_engines_ow
     assert from_pool >= announced * BLOCK
 
 
-def test_a_lost_sidecar_takes_its_pages_out_of_the_stream_one_removal_each(stack):
+def a_lost_sidecar_takes_its_pages_out_of_the_stream_one_removal_each(stack):
     from vllm.distributed.kv_events import AllBlocksCleared
 
     llm, sidecar, sub = stack
