@@ -23,6 +23,16 @@ TWO_HEADS = "2,2,64,float32"  # the tiny model's layers and head dim, with two K
 LOADED = 'kvpool_connector_tokens_total{direction="loaded"}'
 
 
+def until_loaded(llm, tokens: list[int], want: list[int], tries: int = 5) -> tuple[list[int], int]:
+    """Generate until the pool served the prefix (every try with the right tokens)."""
+    for _ in range(tries):
+        out, from_pool = generate(llm, tokens)
+        assert out == want
+        if from_pool >= PREFIX_BLOCKS * BLOCK:
+            break
+    return out, from_pool
+
+
 def test_a_tp2_engine_loads_what_it_saved_and_a_tp1_engine_never_loads_its_pages(tmp_path):
     model = build_tiny_model(tmp_path / "model", kv_heads=2)
     sidecar = SidecarProcess(tmp_path, kv_shape=TWO_HEADS)
@@ -35,7 +45,9 @@ def test_a_tp2_engine_loads_what_it_saved_and_a_tp1_engine_never_loads_its_pages
             baseline, computed_alone = generate(tp2, second, fresh=True)
             assert computed_alone == 0
             generate(tp2, first)  # both ranks save their share of the prefix's pages
-            tokens, from_pool = generate(tp2, second)
+            # Two bound ranks leave the sidecar little CPU on two cores: a lookup past lookup_wait_ms runs
+            # without the pool (by design, with the right tokens), so a few tries.
+            tokens, from_pool = until_loaded(tp2, second, baseline)
             assert from_pool >= PREFIX_BLOCKS * BLOCK
             assert tokens == baseline  # rank 1 attends with its own head: it loaded its share too
             assert sidecar.metric(LOADED) >= PREFIX_BLOCKS * BLOCK
@@ -49,7 +61,7 @@ def test_a_tp2_engine_loads_what_it_saved_and_a_tp1_engine_never_loads_its_pages
             assert from_pool == 0  # the TP=2 pages are another layout: never loaded
             alone, _ = generate(tp1, second, fresh=True)
             assert tokens == alone
-            tokens, from_pool = generate(tp1, second)
+            tokens, from_pool = until_loaded(tp1, second, alone)
             assert from_pool >= PREFIX_BLOCKS * BLOCK and tokens == alone  # its own pages, its own layout
         finally:
             tp1.llm_engine.engine_core.shutdown()
