@@ -24,9 +24,10 @@ from pathlib import Path
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.link import Connection
+from kvpool_sidecar.replay import open_trace
 from serve import cpu_seconds  # bench/serve.py: the same measure of the sidecar's CPU
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation.jsonl.gz"
 PAGE = 512  # the trace's block size
 
 
@@ -37,7 +38,7 @@ def main() -> int:
     ap.add_argument("--pages", type=int, default=9139, help="pool pages (5 %% of the trace's blocks)")
     ap.add_argument("--policy", default=None, help="eviction policy (default: the shipped default)")
     args = ap.parse_args()
-    rows = [json.loads(line) for line in TRACE.open()][: args.requests]
+    rows = [json.loads(line) for line in open_trace(TRACE)][: args.requests]
     work = Path(tempfile.mkdtemp(prefix="kvpool-channel-"))
     config = {"pageSize": PAGE}
     if args.policy:

@@ -59,14 +59,14 @@ def reuse_by_count(trace: Trace, within: int, bounds: list[int]) -> list[list[tu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", action="append", help="file name in ../shared/traces or profile:seed")
+    parser.add_argument("--trace", action="append", help="file name in traces/ or profile:seed")
     parser.add_argument("--requests", type=int, default=4000, help="requests per synth trace")
     parser.add_argument("--within", type=int, default=400, help="reuse counted within this many requests")
     parser.add_argument("--segments", type=int, default=8)
     args = parser.parse_args()
     if args.within < 1 or args.segments < 1 or args.requests < 1:
         parser.error("--within, --segments and --requests must be at least 1")
-    for name in args.trace or ["mooncake_conversation.jsonl", "to-c:2"]:
+    for name in args.trace or ["mooncake_conversation.jsonl.gz", "to-c:2"]:
         trace = load(name, args.requests)
         requests = trace.requests
         n = len(requests)

@@ -41,7 +41,7 @@ from kvpool_sidecar.engines.tiny_model import VOCAB as TINY_VOCAB
 from kvpool_sidecar.service.server import parse_shape
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = ROOT / "traces" / "mooncake_conversation.jsonl.gz"
 BLOCK = 32
 BYTES_PER_PAGE = parse_shape(TINY_KV_SHAPE).bytes_per_page(BLOCK)
 SYSTEMS = ("vllm", "lmcache-lru", "lmcache-arc", "kvpool-lru", "kvpool")

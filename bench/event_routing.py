@@ -20,13 +20,13 @@ from pathlib import Path
 from kvpool_sidecar.replay.event_routing import ROUTERS, replay_event_routing
 from kvpool_sidecar.replay.trace import read_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "traces"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", nargs="+", type=Path,
-                    default=[TRACES / "mooncake_conversation.jsonl", TRACES / "mooncake_synthetic.jsonl"])
+                    default=[TRACES / "mooncake_conversation.jsonl.gz", TRACES / "mooncake_synthetic.jsonl.gz"])
     ap.add_argument("--capacities", nargs="+", type=float, default=[0.01, 0.02, 0.05, 0.1, 0.2])
     ap.add_argument("--pods", type=int, default=4)
     ap.add_argument("--gpu-fraction", type=float, default=0.25, help="each GPU tier as a share of its kvpool")

@@ -29,7 +29,7 @@ from pathlib import Path
 from replay_cells import cli
 from worktrees import ROOT, checked_out
 
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = ROOT / "traces"
 CAPACITIES = ("0.01", "0.02", "0.05", "0.1", "0.2")
 FLOOD_CAPACITIES = ("0.02", "0.05", "0.2")
 
@@ -64,7 +64,7 @@ def flood_then_bursts(workdir: Path, seed: int) -> Path:
 def to_c_only(workdir: Path, seeds: list[int]) -> None:
     zero = workdir / "isolation0.yaml"
     zero.write_text("workloads:\n  toB:\n    isolationPercent: 0\n")
-    traces = [TRACES / "mooncake_conversation.jsonl"]
+    traces = [TRACES / "mooncake_conversation.jsonl.gz"]
     for seed in seeds:
         path = workdir / f"to-c-{seed}.jsonl"
         cli(ROOT, ["synth", "--profile", "to-c", "--requests", "3000", "--seed", str(seed), "-o", str(path)])

@@ -22,7 +22,7 @@ from kvpool_sidecar.replay import read_trace, synth
 from kvpool_sidecar.replay.run import SETUPS, replay_pool
 from kvpool_sidecar.replay.trace import Trace, parse_lines
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "traces"
 CAPACITIES = (0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 TOLERANCE = 0.002
 
@@ -59,7 +59,7 @@ def main() -> None:
         parser.error("--no-shipped: --trace names the traces itself (give one or the other)")
     policies = args.policy or ["workload_adaptive"]
     capacities = args.capacity or list(CAPACITIES)
-    shipped = [] if args.no_shipped else ["mooncake_conversation.jsonl", "mooncake_synthetic.jsonl"]
+    shipped = [] if args.no_shipped else ["mooncake_conversation.jsonl.gz", "mooncake_synthetic.jsonl.gz"]
     names = args.trace or (shipped + [f"{p}:{s}" for p in synth.PROFILES for s in args.seeds.split(",")])
     work = [(n, args.requests, p, c, args.setup) for n in names for c in capacities for p in ["lru", *policies]]
     ratios: dict[tuple[str, str, float], float] = {}

@@ -1,6 +1,6 @@
 """Page operations per second and Python memory per cached page of the pool (LRU, and the default policy).
 
-    .venv/bin/python bench/pool_ops.py [--trace ../shared/traces/mooncake_conversation.jsonl]
+    .venv/bin/python bench/pool_ops.py [--trace traces/mooncake_conversation.jsonl.gz]
 
 A page op is one page probed, allocated, cached or freed (the counting used for vLLM's block pool).
 Timings on a shared machine swing by 30 %; to compare two versions, count instructions instead:
@@ -22,8 +22,9 @@ from pathlib import Path
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.pool import PagePool
+from kvpool_sidecar.replay import open_trace
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation.jsonl.gz"
 BLOCK = 512
 
 
@@ -93,7 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     requests = []
     distinct: set[int] = set()
-    with args.trace.open() as fh:
+    with open_trace(args.trace) as fh:
         for line in fh:
             row = json.loads(line)
             requests.append((row["hash_ids"], row["input_length"]))

@@ -9,7 +9,7 @@ evictions by an exact ghost of ``--ghost`` times the capacity, a parent's key ne
 child's, and S chosen online among 0, 2, 8, 30, 60, 120 and 240 s by shadow caches of the same
 capacity (hits decayed over 1,000 requests; a switch when one beats the choice in force by more
 than 2 %). This is a standalone model of it (exact heaps and dicts, no pool), with the replay
-semantics of ``../shared/traces/README.md``: S = 0 is LRU, and on a trace without to-B requests
+semantics of ``traces/README.md``: S = 0 is LRU, and on a trace without to-B requests
 (one partition) its hits equal the pool's LRU's (printed beside it, as the check of the semantics;
 the pool splits to-B and to-C traffic into partitions, the model does not). ``--sample-one-in N`` feeds the shadows one
 page key in N (by the sketch's hash) at 1/N of the capacity, as kvpool's tuner does.
@@ -127,8 +127,8 @@ def tuned(trace: Trace, pages: int, ghost: float, one_in: int) -> tuple[float, l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", default="mooncake_conversation.jsonl",
-                        help="a file of ../shared/traces, a path, or profile:seed (synth)")
+    parser.add_argument("--trace", default="mooncake_conversation.jsonl.gz",
+                        help="a file of traces/, a path, or profile:seed (synth)")
     parser.add_argument("--requests", type=int, default=4000, help="requests of a synth trace")
     parser.add_argument("--capacity", type=float, action="append", help="fraction of distinct blocks (repeatable)")
     parser.add_argument("--sample-one-in", type=int, default=1, help="the shadows' page-key sample")

@@ -26,7 +26,7 @@ from pathlib import Path
 from worktrees import checked_out
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = ROOT / "traces"
 POLICIES = ("lru", "fifo", "lfu", "s3fifo", "workload_adaptive")
 CAPACITIES = ("0.01", "0.02", "0.05", "0.2")
 PROFILES = ("to-c", "to-b", "mixed")
@@ -35,7 +35,7 @@ FIELDS = ("token_hit_ratio", "block_hit_ratio", "evictions", "per_class")
 
 def traces(workdir: Path, source: Path) -> list[Path]:
     """The shipped traces and one synthesized trace per profile (made by ``source``'s code)."""
-    out = sorted(TRACES.glob("*.jsonl"))
+    out = sorted(TRACES.glob("*.jsonl.gz"))
     for profile in PROFILES:
         path = workdir / f"synth-{profile}.jsonl"
         if not path.exists():

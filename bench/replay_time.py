@@ -21,7 +21,7 @@ from instructions import ROOT, instructions
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.replay import read_trace, replay_pool
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = ROOT / "traces" / "mooncake_conversation.jsonl.gz"
 DEFAULT = KVCachePolicySpec().eviction.policy
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACES = ROOT.parent / "shared" / "traces"
+TRACES = ROOT / "traces"
 OUT = ROOT / "docs" / "benchmarks.md"
 POLICIES = ("lru", "fifo", "s3fifo", "lfu", "workload_adaptive", "belady")
 CAPACITIES = ("0.01", "0.02", "0.05", "0.1", "0.2")
@@ -47,12 +47,12 @@ def replay(trace: str, policies: tuple[str, ...] = POLICIES) -> list[str]:
 
 
 def sections(synth_dir: str) -> list[Section]:
-    conversation = "../shared/traces/mooncake_conversation.jsonl"
-    synthetic = "../shared/traces/mooncake_synthetic.jsonl"
+    conversation = "traces/mooncake_conversation.jsonl.gz"
+    synthetic = "traces/mooncake_synthetic.jsonl.gz"
     out = [
         Section("Replay: Mooncake conversation trace (12,031 requests, 512-token pages)",
                 "Token and block hit ratio by policy and capacity (a fraction of the trace's distinct blocks); "
-                "belady is the offline optimum. The reference table is in `../shared/traces/README.md`.",
+                "belady is the offline optimum. The reference table is in `traces/README.md`.",
                 replay(conversation)),
         Section("Replay: Mooncake synthetic trace", "As above, on the second shipped trace.", replay(synthetic)),
     ]

@@ -1,6 +1,6 @@
 """Routing decision cost and ring balance.
 
-    .venv/bin/python bench/routing.py [--trace ../shared/traces/mooncake_conversation.jsonl]
+    .venv/bin/python bench/routing.py [--trace traces/mooncake_conversation.jsonl.gz]
 
 Per mode: microseconds per decision (prefix key included) over the trace's requests, and, per pod
 count, how evenly the ring spreads the trace's distinct keys and how many move when a pod joins.
@@ -18,7 +18,7 @@ from kvpool_sidecar.config import Routing
 from kvpool_sidecar.replay import read_trace
 from kvpool_sidecar.routing import ROUTING_MODES, HashRing, KeySpec, Router, key_movement, key_position
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation.jsonl.gz"
 
 
 def main() -> None:

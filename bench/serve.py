@@ -44,9 +44,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from engine import free_port, wait_http  # noqa: E402
 from kvpool_sidecar.engines.tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa: E402
 from kvpool_sidecar.engines.tiny_model import build_tiny_model  # noqa: E402
+from kvpool_sidecar.replay import open_trace  # noqa: E402
 from kvpool_sidecar.service.server import parse_shape  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = ROOT / "traces" / "mooncake_conversation.jsonl.gz"
 BLOCK = 32
 SYSTEMS = ("vllm", "ceiling", "lmcache", "kvpool")
 # kvpool publishing its tier as KV events (vLLM's own events on too), and kvpool with vLLM's own events only
@@ -231,7 +232,7 @@ def mooncake_slice(args: argparse.Namespace, folder: Path) -> Path:
     path = folder / "mooncake-slice.jsonl"
     if path.exists():
         return path
-    with TRACE.open() as src, path.open("w") as out:
+    with open_trace(TRACE) as src, path.open("w") as out:
         for i, line in enumerate(src):
             if i >= args.num_prompts:
                 break

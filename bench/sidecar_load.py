@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 
 import httpx
+from kvpool_sidecar.replay import open_trace
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation.jsonl.gz"
 
 
 def free_port() -> int:
@@ -179,7 +180,7 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=9139, help="pool pages (default: 5%% of the trace's blocks)")
     parser.add_argument("--compare-auth", action="store_true", help="run without and with a bearer token")
     args = parser.parse_args()
-    requests = [json.loads(line) for line in args.trace.open()]
+    requests = [json.loads(line) for line in open_trace(args.trace)]
     print(f"{args.clients} clients, {args.seconds:.0f} s, pool of {args.pages} pages of 512 tokens, {args.policy}")
     if not args.compare_auth:
         report(args, "", measure(args, requests, None))

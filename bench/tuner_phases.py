@@ -21,7 +21,7 @@ from kvpool_sidecar.replay.run import capacity_pages, serve_request, trace_spec
 from kvpool_sidecar.replay.trace import Trace
 from kvpool_sidecar.replay.tune import adaptive_spec
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation.jsonl.gz"
 
 
 def cached_tokens(trace: Trace, pages: int, policy: str, spec: KVCachePolicySpec | None,

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "crds" / "examples" / "chat.yaml"
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
+TRACE = ROOT / "traces" / "mooncake_conversation.jsonl.gz"
 PORT = int(os.environ.get("KVPOOL_PORT", "8000"))
 REQUESTS = int(os.environ.get("KVPOOL_REQUESTS", "400"))
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32: the pool's pages follow the engine's blocks

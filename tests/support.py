@@ -19,6 +19,8 @@ from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import KVStorage
 from kvpool_sidecar.storage.transfer import TransferKeys
 
+# The production traces the repository ships (traces/README.md: source and licence).
+TRACES = Path(__file__).resolve().parents[1] / "traces"
 CLUSTER_KEYS = TransferKeys.parse("k1 " + "s" * 40)  # the tests' cluster key (page transfer)
 
 

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from kvpool_sidecar.cli import main
 from kvpool_sidecar.replay import TraceError, parse_lines, read_trace, replay_pool, replay_reference
 from kvpool_sidecar.replay.synth import generate
+from support import TRACES
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-CONVERSATION = TRACES / "mooncake_conversation.jsonl"
-needs_traces = pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not present")
+CONVERSATION = TRACES / "mooncake_conversation.jsonl.gz"
 
-# shared/traces/README.md, conversation trace, token hit ratio.
+# traces/README.md, conversation trace, token hit ratio.
 REFERENCE_LRU = {0.01: 0.054, 0.02: 0.084, 0.05: 0.207, 0.10: 0.289, 0.20: 0.357}
 REFERENCE_FIFO = {0.01: 0.053, 0.02: 0.081}
 
@@ -68,7 +66,6 @@ def test_malformed_line_is_named(line, message):
     assert str(err.value).startswith("t.jsonl:2:")
 
 
-@needs_traces
 @pytest.mark.parametrize("capacity", sorted(REFERENCE_LRU))
 def test_lru_matches_the_reference_figures(capacity):
     trace = read_trace(CONVERSATION)
@@ -76,7 +73,6 @@ def test_lru_matches_the_reference_figures(capacity):
     assert abs(lru - REFERENCE_LRU[capacity]) < 0.005
 
 
-@needs_traces
 @pytest.mark.parametrize("capacity", sorted(REFERENCE_FIFO))
 def test_fifo_matches_the_reference_figures_at_small_capacities(capacity):
     # Above 2 % the pool is up to 0.008 better than the reference simulator: it evicts a page's
@@ -86,7 +82,6 @@ def test_fifo_matches_the_reference_figures_at_small_capacities(capacity):
     assert abs(fifo - REFERENCE_FIFO[capacity]) < 0.005
 
 
-@needs_traces
 def test_references_bound_the_online_policies():
     trace = read_trace(CONVERSATION)
     infinite = replay_reference(trace, "infinite", 1.0).token_hit_ratio

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from kvpool_sidecar.cli import main
@@ -14,10 +13,9 @@ from kvpool_sidecar.pool import InvalidRequest, WorkloadMeta, first_page_digest
 from kvpool_sidecar.replay import read_trace
 from kvpool_sidecar.replay.cluster import replay_cluster
 from kvpool_sidecar.routing import HashRing, KeySpec, NoPods, Router, key_movement, key_position
+from support import TRACES
 
-TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
-CONVERSATION = TRACES / "mooncake_conversation.jsonl"
-needs_traces = pytest.mark.skipif(not CONVERSATION.exists(), reason="shared traces not present")
+CONVERSATION = TRACES / "mooncake_conversation.jsonl.gz"
 PODS = [f"pod-{i}" for i in range(4)]
 KEYS = [key_position(i.to_bytes(8, "big")) for i in range(20_000)]
 
@@ -177,7 +175,6 @@ def conversation_head():
     return replace(trace, requests=trace.requests[:3000])
 
 
-@needs_traces
 def test_prefix_routing_beats_random_and_bounded_load_holds(conversation_head):
     spec = validate_spec({"routing": {"hotPrefixQPS": 0.3}})
     rows = {m: replay_cluster(conversation_head, "lru", 0.05, 4, m, spec)
@@ -190,14 +187,12 @@ def test_prefix_routing_beats_random_and_bounded_load_holds(conversation_head):
     assert all(r.pods == 4 and r.capacity_pages <= 0.05 * conversation_head.distinct_blocks for r in rows.values())
 
 
-@needs_traces
 @pytest.mark.parametrize(("membership", "expected"), [("join", 1 / 5), ("leave", 1 / 4)])
 def test_membership_change_moves_about_one_in_n_keys(conversation_head, membership: str, expected: float):
     row = replay_cluster(conversation_head, "lru", 0.05, 4, "prefix-hash", membership=membership)
     assert row.keys_moved == pytest.approx(expected, abs=0.07)
 
 
-@needs_traces
 def test_cli_cluster_replay_json_rows(capsys, tmp_path):
     plot = tmp_path / "cluster.png"
     rc = main(["replay", str(CONVERSATION), "--pods", "2", "--routing", "prefix-hash", "--routing", "round-robin",
@@ -208,7 +203,6 @@ def test_cli_cluster_replay_json_rows(capsys, tmp_path):
     assert all(r["load_imbalance"] >= 1.0 and r["keys_moved"] is None for r in rows)
 
 
-@needs_traces
 def test_cli_refuses_a_cluster_replay_of_the_oracle(capsys):
     rc = main(["replay", str(CONVERSATION), "--pods", "2", "--policy", "belady", "--no-progress"])
     assert rc == 2 and "belady is a single-cache reference" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from kvpool_sidecar.replay.run import (
     run_matrix,
     trace_spec,
 )
-from kvpool_sidecar.replay.trace import Request, Trace, TraceError, parse_lines, read_trace
+from kvpool_sidecar.replay.trace import Request, Trace, TraceError, open_trace, parse_lines, read_trace
 
 __all__ = [
     "REFERENCE_POLICIES",
@@ -24,6 +24,7 @@ __all__ = [
     "TraceError",
     "capacity_pages",
     "parse_lines",
+    "open_trace",
     "read_trace",
     "replay_pool",
     "replay_reference",

@@ -1,6 +1,6 @@
 """Replay a trace through the real pool and policies, and the offline references (Belady, infinite).
 
-Semantics (as in ``shared/traces/README.md``): requests in timestamp order; a request hits the longest
+Semantics (as in ``traces/README.md``): requests in timestamp order; a request hits the longest
 cached prefix of its ids; then its pages are computed and its *full* blocks cached; token hit ratio =
 sum(min(hit_blocks * block, input_length)) / sum(input_length).
 """

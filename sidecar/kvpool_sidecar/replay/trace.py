@@ -7,14 +7,17 @@ Formats (JSON Lines, detected from the fields of the first request):
   ``output_length``, ``type``, ``turn``, ``hash_ids`` (16-token blocks); optionally ``class``
   (``to-b``/``to-c``) as written by ``kvpool-sidecar synth``.
 
+A file whose name ends in ``.gz`` is read through gzip (the repository ships its traces so).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from kvpool_sidecar.keys import TO_B, TO_C, WorkloadMeta
 
@@ -134,6 +137,14 @@ def _infer_turns(requests: list[Request]) -> list[Request]:
     return out
 
 
+def open_trace(path: str | Path) -> TextIO:
+    """A trace file's lines, through gzip when its name ends in ``.gz``."""
+    return gzip.open(path, "rt") if str(path).endswith(".gz") else open(path)
+
+
 def read_trace(path: str | Path) -> Trace:
-    with open(path) as fh:
-        return parse_lines(fh, str(path))
+    try:
+        with open_trace(path) as fh:
+            return parse_lines(fh, str(path))
+    except (gzip.BadGzipFile, EOFError) as exc:  # a .gz that is not one, or cut short
+        raise TraceError(str(path), 0, f"not a whole gzip file ({exc})") from None
