@@ -90,11 +90,15 @@ class KVPoolConnector(KVConnectorBase_V1):
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         kinds = [type(g.kv_cache_spec).__name__ for g in groups]
         if len(groups) > 1 or any(not isinstance(g.kv_cache_spec, FullAttentionSpec) for g in groups):
-            # A sliding-window group's blocks outside its window are vLLM's null block: a load or a save
-            # by block ids would write or read the wrong bytes there. Refused until each kind is handled.
+            # A hybrid model (sliding-window and full-attention layers) comes here as one full-attention
+            # group: vLLM turns its hybrid KV cache manager off for a connector without SupportsHMA, so
+            # every layer keeps every block and a page is whole. A model whose every layer is sliding-window
+            # stays a SlidingWindowSpec group, whose blocks outside the window are vLLM's null block: a
+            # load or a save by block ids would write or read the wrong bytes there. Refused.
             raise LayoutError(f"KVPoolConnector supports one full-attention KV cache group; this model has "
-                              f"{len(groups)}: {', '.join(kinds)} (sliding-window and hybrid models are not "
-                              "supported yet: run them without the connector)")
+                              f"{len(groups)}: {', '.join(kinds)} (a model whose every layer attends through a "
+                              "sliding window keeps only its window's blocks: not supported yet, run it without "
+                              "the connector; hybrid models are supported)")
         failure_policy = self._kv_transfer_config.kv_load_failure_policy
         if failure_policy != "recompute":
             log.warning("kvpool: kv_load_failure_policy is %r: a failed load fails its request; "
