@@ -231,9 +231,14 @@ class Workloads(_Model):
         return (self.toB if workload_class == "toB" else self.toC).window_seconds
 
 
+# Two rules. A prefix admitted more than minPrefixQPS times a second keeps the pages it reused pinned
+# (its reuse is measured). A prompt of at least minPromptTokens is pinned for its length alone, nothing
+# measured: unset by default, since on the shipped traces and held-out synth profiles it serves no more
+# tokens than no auto-pin, and on to-B bursts half as many (bench/autopin.py, docs/decisions.md).
 class AutoPin(_Model):
     enabled: bool = True
-    minPromptTokens: int = Field(default=1024, ge=1, description="auto-pin prompts at least this long")
+    minPromptTokens: int | None = Field(default=None, ge=1, description=(
+        "auto-pin every prompt at least this long, whether or not it comes back (unset: none)"))
     minPrefixQPS: float = Field(default=100, gt=0, description="auto-pin prefixes hotter than this")
 
 

@@ -196,7 +196,8 @@ class Pinning:
     def auto_pin(self, seq: SeqState, now: float) -> None:
         """A long prompt's published pages, pinned by one record per sequence that grows with its
         chunked commits; only prompts of at least ``autoPin.minPromptTokens``."""
-        if not (self.autopin.enabled and seq.num_prompt_tokens >= self.autopin.minPromptTokens):
+        least = self.autopin.minPromptTokens
+        if not (self.autopin.enabled and least is not None and seq.num_prompt_tokens >= least):
             return
         pages = seq.pages[: seq.published]
         record = self.records.get(seq.autopin) if seq.autopin is not None else None
