@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard sidecar/kvpool_sidecar/*.c)
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check sidecar operator tests bench scripts
+	$(VENV)/bin/ruff check sidecar operator tests bench scripts dev
 	$(VENV)/bin/lint-imports
 
 # KVPOOL_REQUIRE_ENGINE: the engine tests fail, not skip, when vLLM is missing.

@@ -36,9 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvpool_sidecar.engines.tiny_model import KV_SHAPE as TINY_KV_SHAPE
-from kvpool_sidecar.engines.tiny_model import VOCAB as TINY_VOCAB
 from kvpool_sidecar.service.server import parse_shape
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # what tests, benchmarks and the demo share
+from tiny_model import KV_SHAPE as TINY_KV_SHAPE
+from tiny_model import VOCAB as TINY_VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE = ROOT / "traces" / "mooncake_conversation.jsonl.gz"
@@ -102,13 +104,13 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
 
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from kvpool_sidecar.engines.tiny_model import build_tiny_model
+    from tiny_model import build_tiny_model
     from vllm import LLM, SamplingParams
 
     work = Path(tempfile.mkdtemp(prefix=f"kvpool-bench-{system}-"))
     model = build_tiny_model(Path(args.model_dir))
+    from engine_prompts import engine_prompts
     from kvpool_sidecar.replay import read_trace
-    from kvpool_sidecar.replay.engine_prompts import engine_prompts
 
     prompts = engine_prompts(read_trace(args.trace), args.start, args.requests, block_size=BLOCK,
                              max_blocks=args.max_blocks, vocab=TINY_VOCAB)

@@ -1,6 +1,6 @@
 """Routing on KV events, 4 pods: a router that reads kvpool's events (medium CPU) against one that sees only
 the engines' own (GPU) tier, on real traces through the real pool code
-(:mod:`kvpool_sidecar.replay.event_routing`).
+(``dev/kv_event_sim.py``).
 
     .venv/bin/python bench/event_routing.py
     .venv/bin/python bench/event_routing.py --pods 8 --gpu-fraction 0.5 --capacities 0.02 0.1
@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from kvpool_sidecar.replay.event_routing import ROUTERS, replay_event_routing
 from kvpool_sidecar.replay.trace import read_trace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # what tests, benchmarks and the demo share
+from kv_event_sim import ROUTERS, replay_event_routing
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 

@@ -41,11 +41,12 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "dev"))  # what tests, benchmarks and the demo share
 from engine import free_port, wait_http  # noqa: E402
-from kvpool_sidecar.engines.tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa: E402
-from kvpool_sidecar.engines.tiny_model import build_tiny_model  # noqa: E402
 from kvpool_sidecar.replay import open_trace  # noqa: E402
 from kvpool_sidecar.service.server import parse_shape  # noqa: E402
+from tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa: E402
+from tiny_model import build_tiny_model  # noqa: E402
 
 TRACE = ROOT / "traces" / "mooncake_conversation.jsonl.gz"
 BLOCK = 32

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import httpx
 import yaml
-from kvpool_sidecar.engines.tiny_model import KV_SHAPE, VOCAB
 from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # what tests, benchmarks and the demo share
+from tiny_model import KV_SHAPE, VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "crds" / "examples" / "chat.yaml"
@@ -80,9 +82,9 @@ def replay_through_engine(url: str, workdir: Path) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from kvpool_sidecar.engines.tiny_model import build_tiny_model
+    from engine_prompts import engine_prompts
     from kvpool_sidecar.replay import read_trace
-    from kvpool_sidecar.replay.engine_prompts import engine_prompts
+    from tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(tempfile.gettempdir()) / "kvpool-tiny-model")
     prompts = engine_prompts(read_trace(TRACE), 0, REQUESTS, block_size=BLOCK, max_blocks=60, vocab=VOCAB)

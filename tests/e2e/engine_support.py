@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 import yaml
-from kvpool_sidecar.engines.tiny_model import KV_SHAPE, VOCAB
 from support import free_port, socket_path
+from tiny_model import KV_SHAPE, VOCAB
 
 BLOCK = 32  # vLLM's CPU attention wants a multiple of 32
 CONNECTOR = "kvpool_sidecar.engines.vllm"

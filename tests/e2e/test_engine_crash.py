@@ -26,8 +26,8 @@ else:
     pytest.importorskip("vllm", reason="the engine tests need the vllm extra (make test installs it)")
 
 from engine_support import BLOCK, SidecarProcess, connector_config, engine_env, prompt
-from kvpool_sidecar.engines.tiny_model import build_tiny_model
 from support import free_port
+from tiny_model import build_tiny_model
 
 
 class Server:

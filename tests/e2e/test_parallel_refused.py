@@ -14,7 +14,7 @@ else:
 
 from engine_support import BLOCK, CONNECTOR, engine_env, environment
 from kvpool_sidecar.engines.blocks import LayoutError
-from kvpool_sidecar.engines.tiny_model import build_tiny_model
+from tiny_model import build_tiny_model
 
 
 @pytest.mark.parametrize("setting", ["pipeline_parallel_size"])

@@ -22,8 +22,8 @@ else:
     pytest.importorskip("vllm", reason="the engine tests need the vllm extra (make test installs it)")
 
 from engine_support import BLOCK, SidecarProcess, generate, make_engine, prompt
-from kvpool_sidecar.engines.tiny_model import build_tiny_model
 from kvpool_sidecar.storage import KVStorage
+from tiny_model import build_tiny_model
 
 PREFIX_BLOCKS = 12  # shared by the two requests of a pair: more than the 10 the issue asks for
 

@@ -21,8 +21,8 @@ else:
 import msgspec
 import zmq
 from engine_support import BLOCK, SidecarProcess, generate, make_engine, prompt
-from kvpool_sidecar.engines.tiny_model import build_tiny_model
 from support import free_port
+from tiny_model import build_tiny_model
 
 POOL_PAGES = 40
 PROMPT_BLOCKS = 12

@@ -20,7 +20,7 @@ else:
     pytest.importorskip("vllm", reason="the engine tests need the vllm extra (make test installs it)")
 
 from engine_support import BLOCK, SidecarProcess, generate, make_engine, prompt
-from kvpool_sidecar.engines.tiny_model import build_tiny_model
+from tiny_model import build_tiny_model
 
 WINDOW = 2 * BLOCK  # tokens a sliding-window layer attends to
 PREFIX_BLOCKS = 12  # the shared prefix: six windows long

@@ -16,7 +16,7 @@ else:
     pytest.importorskip("vllm", reason="the engine tests need the vllm extra (make test installs it)")
 
 from engine_support import BLOCK, SidecarProcess, generate, make_engine, prompt
-from kvpool_sidecar.engines.tiny_model import build_tiny_model
+from tiny_model import build_tiny_model
 
 PREFIX_BLOCKS = 12
 TWO_HEADS = "2,2,64,float32"  # the tiny model's layers and head dim, with two KV heads: one per TP=2 rank

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import random
 
-from kvpool_sidecar.replay.event_routing import CPU, GPU, PrefixIndex, pick, replay_event_routing
+from kv_event_sim import CPU, GPU, PrefixIndex, pick, replay_event_routing
 from kvpool_sidecar.replay.trace import parse_lines
 
 

@@ -177,7 +177,7 @@ def test_pages_in_use_are_never_evicted_and_exhaustion_changes_nothing():
     assert snapshot(pool) == before
     pool.check_invariants()
     pool.admit("c", [6] * 16)  # fits by evicting the 2 cached pages, never a page of "a"
-    assert pool.sequence_pages("a") == list(range(6))
+    assert list(pool.sequences.get("a").pages) == list(range(6))
     pool.check_invariants()
 
 
@@ -364,7 +364,7 @@ def test_fork_shares_full_pages_and_copies_the_partial_one():
     assert forked.copy_src == adm.page_ids[2] and forked.copy_dst not in adm.page_ids
     pool.check_invariants()
     new = pool.append("b", 3)  # 13 tokens: crosses into a 4th page
-    assert len(new) == 1 and len(pool.sequence_pages("b")) == 4
+    assert len(new) == 1 and len(pool.sequences.get("b").pages) == 4
     assert pool.append("a", 2) == []
     pool.release("a")
     pool.release("b")

@@ -150,7 +150,7 @@ def test_cli_synth_writes_the_requests_asked_for(tmp_path):
 
 
 def test_engine_prompts_share_tokens_exactly_where_the_trace_shares_ids():
-    from kvpool_sidecar.replay.engine_prompts import engine_prompts
+    from engine_prompts import engine_prompts
 
     lines = [json.dumps({"timestamp": t, "input_length": n, "output_length": 1, "hash_ids": ids})
              for t, n, ids in [(1000, 1100, [7, 8, 9]), (4000, 1500, [7, 8, 5]), (5000, 300, [7])]]

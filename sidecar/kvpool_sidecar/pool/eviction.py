@@ -34,7 +34,6 @@ class Eviction:
         self.policies = policies  # one per partition (a handover stands in one during a switch)
         self.owned = [0, 0]  # pages in use or cached, by partition
         self.evictions = 0
-        self.pre_evictions = 0
         self.evictions_by: dict[tuple[str, str], int] = {}  # (partition, reason) -> pages
         self.configure(settings)
 
@@ -404,9 +403,7 @@ class Eviction:
             while len(self.table.free) < target and freed < budget and len(policy):
                 if not self.expired(policy.peek(now), now):
                     break  # the least valuable page is still fresh: nothing here is worth freeing
-                n = self._evict_one(part, now, "pre_eviction")
-                freed += n
-                self.pre_evictions += n
+                freed += self._evict_one(part, now, "pre_eviction")
         return freed
 
     def check(self, free: set[int]) -> None:

@@ -393,12 +393,6 @@ class PagePool:
         """Parallel sampling: share the full pages, copy the partial last page into a fresh one."""
         return self.sequences.fork(seq_id, new_seq_id, self.clock() if now is None else now)
 
-    def sequence_pages(self, seq_id: str) -> list[int]:
-        return list(self.sequences.get(seq_id).pages)
-
-    def has_sequence(self, seq_id: str) -> bool:
-        return seq_id in self.sequences.live
-
     def pre_evict(self, now: float | None = None, max_pages: int | None = None) -> int:
         """Idle-time eviction of expired pages down to the low watermark (:meth:`.Eviction.pre_evict`)."""
         return self.eviction.pre_evict(self.clock() if now is None else now, max_pages)
