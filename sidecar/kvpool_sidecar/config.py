@@ -221,9 +221,41 @@ class ToBWorkload(ToCWorkload):
     isolationPercent: float = Field(default=30, ge=0, le=100, description="share of pages for to-B")
 
 
+class AdapterClass(_Model):
+    adapter: str = Field(min_length=1, max_length=128, description=(
+        "a LoRA adapter's name as the engine serves it (vLLM's --lora-modules name)"))
+    tenant: str | None = Field(default=None, min_length=1, max_length=256, description=(
+        "the tenant of its requests (unset: the engine's)"))
+    workloadClass: Literal["toC", "toB"] | None = Field(default=None, description=(
+        "the class of its requests (unset: the engine's)"))
+
+    @model_validator(mode="after")
+    def _names_something(self) -> AdapterClass:
+        if self.tenant is None and self.workloadClass is None:
+            raise ValueError(f"adapter {self.adapter!r}: set its tenant, its workloadClass or both")
+        return self
+
+
 class Workloads(_Model):
     toC: ToCWorkload = Field(default_factory=ToCWorkload)
     toB: ToBWorkload = Field(default_factory=ToBWorkload)
+    adapters: list[AdapterClass] = Field(default_factory=list, max_length=1024, description=(
+        "requests the engine serves with a LoRA adapter get that adapter's tenant and class, whatever the "
+        "engine's defaults or a gateway's parameters say; the rest keep them"))
+
+    @field_validator("adapters")
+    @classmethod
+    def _one_rule_per_adapter(cls, rules: list[AdapterClass]) -> list[AdapterClass]:
+        seen: set[str] = set()
+        for rule in rules:
+            if rule.adapter in seen:
+                raise ValueError(f"adapter {rule.adapter!r} is named twice")
+            seen.add(rule.adapter)
+        return rules
+
+    def adapter_rule(self, adapter: str) -> AdapterClass | None:
+        """The rule for requests served with ``adapter`` (the one place the mapping is read)."""
+        return next((rule for rule in self.adapters if rule.adapter == adapter), None) if adapter else None
 
     def window_of(self, workload_class: str) -> float:
         """A workload class's reuse window in seconds (to-C's for a class kvpool does not know): the

@@ -53,6 +53,7 @@ class Meta(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=T
     turn: int = 0
     tenant: str = "default"
     user: str = ""
+    adapter: str = ""  # the LoRA adapter the engine serves the request with ("": the base model)
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True):

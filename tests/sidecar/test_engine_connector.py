@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import yaml
 from kvpool_sidecar import wire
 from kvpool_sidecar.config import SidecarConfig
 from kvpool_sidecar.engines.blocks import LayoutError, PageCopier, check_compatible, engine_layers
@@ -508,3 +509,43 @@ def test_under_pressure_a_request_loads_its_hits_and_saves_what_fits():
         assert [(len(j.pages), j.blocks) for j in plan.loads] == [(3, [20, 21, 22])]
         assert [j.blocks for j in plan.saves] == [[23, 24]]  # the two pages there were
         side.link.close()
+
+
+def test_the_policy_maps_lora_adapters_to_tenants_and_classes_and_a_live_edit_moves_them():
+    """The admin's mapping, not the client: requests the engine serves with an adapter the policy names
+    land in that adapter's class (its partition) and tenant; others keep the engine's defaults; an edit
+    of the mapping applies to the next request without a restart, and a bad one changes nothing."""
+    mapped = CONFIG.model_dump()
+    mapped["workloads"] = {"toB": {"isolationPercent": 50},
+                           "adapters": [{"adapter": "support-bot", "workloadClass": "toB", "tenant": "acme"},
+                                        {"adapter": "chat", "workloadClass": "toC"}]}
+    path = socket_path()
+    with live_sidecar(SidecarConfig.model_validate(mapped), pages=64, engine_socket=path,
+                      storage=KVStorage(SHAPE, PS, pages=64, shared=True)) as (_, sidecar):
+        link = SidecarLink(path, hello())
+        side = SchedulerSide(link, PS, session="s", lookup_wait=0.5)
+
+        def admitted_meta(req_id: str, tag: str, adapter: str, params: dict | None = None) -> tuple[str, str]:
+            assert wait_for(side, req_id, hashes(3, tag), 13, 0, params, None, adapter) == 0
+            seq = sidecar.pool.sequences.live[side._requests[req_id].seq_id]
+            return seq.meta.workload_class, seq.meta.tenant
+
+        parts = sidecar.pool.stats().partitions
+        assert parts["toB"].owned == parts["toC"].owned == 0
+        assert admitted_meta("b", "b", "support-bot") == ("toB", "acme")
+        assert admitted_meta("c", "c", "chat") == ("toC", "default")
+        assert admitted_meta("n", "n", "") == ("toC", "default")  # no adapter: the engine's defaults
+        assert admitted_meta("u", "u", "unmapped") == ("toC", "default")
+        parts = sidecar.pool.stats().partitions
+        assert parts["toB"].owned == 3 and parts["toC"].owned == 9  # the adapter's pages in to-B's partition
+
+        # A live edit: support-bot becomes to-C; the next request follows, no restart.
+        mapped["workloads"]["adapters"][0]["workloadClass"] = "toC"
+        assert sidecar.apply_config_text(yaml.safe_dump(mapped), "edit")[0] == "applied"
+        assert admitted_meta("b2", "b2", "support-bot") == ("toC", "acme")
+        # A mapping naming an unknown class: refused, naming the field; the mapping in force stays.
+        mapped["workloads"]["adapters"][0]["workloadClass"] = "gold"
+        result, error, field = sidecar.apply_config_text(yaml.safe_dump(mapped), "bad edit")
+        assert result != "applied" and field == "workloads.adapters.0.workloadClass", (result, error, field)
+        assert sidecar.state.config.workloads.adapter_rule("support-bot").workloadClass == "toC"
+        link.close()

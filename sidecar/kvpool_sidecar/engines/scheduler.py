@@ -149,15 +149,16 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------------------ lookups
     def matched_tokens(self, req_id: str, block_hashes: list[bytes], prompt_len: int, local_tokens: int,
-                       params: dict[str, Any] | None, source: Any = None) -> int | None:
+                       params: dict[str, Any] | None, source: Any = None, adapter: str = "") -> int | None:
         """Tokens past ``local_tokens`` to load from the pool; None: ask again next step. ``source``: the
-        engine's request, which the KV events read token ids from."""
+        engine's request, which the KV events read token ids from; ``adapter``: the LoRA adapter the
+        engine serves it with (the sidecar's policy may map it to a tenant and class)."""
         req = self._requests.get(req_id)
         if req is not None and req.allocated:  # preempted and back: start over with a fresh admission
             self._forget(req_id, req)
             req = None
         if req is None:
-            req = self._admit(req_id, block_hashes, prompt_len, params)
+            req = self._admit(req_id, block_hashes, prompt_len, params, adapter)
             if self.events is not None:
                 req.source, req.hashes = source, block_hashes
         req.local_tokens = local_tokens
@@ -201,7 +202,7 @@ class SchedulerSide:
         return loadable_tokens(req.pool_pages, local_tokens, prompt_len, self.block_size)
 
     def _admit(self, req_id: str, block_hashes: list[bytes], prompt_len: int,
-               params: dict[str, Any] | None) -> _Request:
+               params: dict[str, Any] | None, adapter: str = "") -> _Request:
         self._next_id += 1
         # A prompt longer than one admission may name: its first blocks go through the tier, the rest
         # are computed (the sidecar would refuse the whole admission).
@@ -209,19 +210,22 @@ class SchedulerSide:
         req = _Request(f"{self._prefix}-{self._next_id}", prompt_len, len(block_hashes), asked_at=self.clock())
         self._requests[req_id] = req
         if block_hashes and self.link.available():
-            meta = self.meta_of(params)
+            meta = self.meta_of(params, adapter)
             op = wire.Admit(req.seq_id, block_hashes, len(block_hashes) * self.block_size,
                             wire.Meta(**meta) if meta else None)
             req.future = self.link.admit(op)
         return req
 
-    def meta_of(self, params: dict[str, Any] | None) -> dict[str, Any]:
+    def meta_of(self, params: dict[str, Any] | None, adapter: str = "") -> dict[str, Any]:
         """A request's workload metadata: the configured defaults, and what its ``kv_transfer_params`` say
         only when the deployment trusts them (an OpenAI body is the client's: by default it chooses
-        neither its tenant, its class nor anything else the pool keys or partitions by)."""
+        neither its tenant, its class nor anything else the pool keys or partitions by). The LoRA
+        adapter is the engine's (one the admin loaded), passed on for the policy's mapping."""
         meta = dict(self.default_meta)
         if self.trust_request_params and params:
             meta.update({k: params[k] for k in META_FIELDS if k in params})
+        if adapter:
+            meta["adapter"] = adapter
         return meta
 
     def _warn_late(self, now: float) -> None:

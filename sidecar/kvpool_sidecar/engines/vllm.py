@@ -139,8 +139,10 @@ class KVPoolConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         hashes = [h if isinstance(h, bytes) else str(h).encode() for h in request.block_hashes]
+        lora = request.lora_request
         tokens = self._scheduler.matched_tokens(request.request_id, hashes, request.num_tokens, num_computed_tokens,
-                                                request.kv_transfer_params, request)
+                                                request.kv_transfer_params, request,
+                                                adapter=lora.lora_name if lora is not None else "")
         return tokens, False
 
     def take_events(self) -> Iterable[KVCacheEvent]:

@@ -47,6 +47,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvpool_sidecar import wire
+from kvpool_sidecar.config import AdapterClass
 from kvpool_sidecar.keys import DEFAULT_META, WorkloadMeta
 from kvpool_sidecar.pool import PoolError, PoolExhausted, UnknownSequence
 from kvpool_sidecar.service import models
@@ -311,8 +312,10 @@ class EngineChannel:
                            "admission (the connector admits a longer prompt's first blocks)", "hashes")
         if any(not 0 < len(h) <= wire.MAX_HASH_BYTES for h in adm.hashes):
             raise ApiError(400, "invalid_request", f"each hash must be 1-{wire.MAX_HASH_BYTES} bytes", "hashes")
-        meta = DEFAULT_META if adm.meta is None else _meta(adm.meta)
         sc = self.sidecar
+        meta = DEFAULT_META if adm.meta is None else _meta(adm.meta)
+        if adm.meta is not None and adm.meta.adapter:
+            meta = _mapped(meta, sc.state.config.workloads.adapter_rule(adm.meta.adapter))
         keys = namespaced(session.ns, adm.hashes)
         # The channel admits only engine and admin credentials, which act for any tenant; the sequence is
         # this connection's alone.
@@ -335,6 +338,8 @@ class EngineChannel:
 def _meta(m: wire.Meta) -> WorkloadMeta:
     """A request's metadata checked by the HTTP API's own model (one owner of its rules); an engine sends
     few distinct ones, so each is validated once."""
+    if len(m.adapter) > 128:
+        raise ApiError(400, "invalid_request", "at most 128 characters", "meta.adapter")
     try:
         meta = models.Meta(workload_class=m.workload_class, request_type=m.request_type, turn=m.turn,
                            tenant=m.tenant, user=m.user)
@@ -343,6 +348,14 @@ def _meta(m: wire.Meta) -> WorkloadMeta:
         field = "meta." + ".".join(str(p) for p in first["loc"])
         raise ApiError(400, "invalid_request", first["msg"], field) from None
     return workload_meta(meta)
+
+
+def _mapped(meta: WorkloadMeta, rule: AdapterClass | None) -> WorkloadMeta:
+    """``meta`` with the tenant and class the policy gives the request's LoRA adapter, if it names it."""
+    if rule is None:
+        return meta
+    return dataclasses.replace(meta, tenant=rule.tenant or meta.tenant,
+                               workload_class=rule.workloadClass or meta.workload_class)
 
 
 def _report(r: wire.Report) -> models.EngineReport | None:
