@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TypeVar
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import EngineLayer, LayoutError, PageCopier, check_compatible
@@ -31,6 +32,7 @@ from kvpool_sidecar.storage import KVStorage, StaleHandle
 from kvpool_sidecar.storage.tensors import AttachedKV
 
 log = logging.getLogger("kvpool.engine")
+_Job = TypeVar("_Job", LoadJob, SaveJob)
 
 
 class WorkerSide:
@@ -129,22 +131,29 @@ class WorkerSide:
 
     # ------------------------------------------------------------------------------- moving
     def load(self, jobs: list[LoadJob]) -> set[int]:
-        """Copy every job's pages into its blocks; returns the blocks that could not be loaded."""
+        """Copy every job's pages into its blocks, one gather and scatter per layer for all the step's
+        jobs of a pool; returns the blocks that could not be loaded."""
         failed: set[int] = set()
         loaded = 0
-        for job in jobs:
-            mapped = self._mapping(job.epoch) if job.valid else None
+        for epoch, group in _by_epoch([job for job in jobs if job.valid]).items():
+            mapped = self._mapping(epoch)
+            pages = [p for job in group for p in job.pages]
+            blocks = [b for job in group for b in job.blocks]
             if mapped is None:
-                failed.update(job.blocks)
+                failed.update(blocks)
                 continue
             try:
-                self.copier.load(mapped.kv, job.pages, job.blocks)
+                self.copier.load(mapped.kv, pages, blocks)
                 mapped.check()  # the pool closed meanwhile: what was read may be gone
             except (StaleHandle, RuntimeError, IndexError) as exc:
-                log.warning("kvpool: loading %d pages for %s failed (%s): recomputing", len(job.pages), job.req_id, exc)
-                failed.update(job.blocks)
+                log.warning("kvpool: loading %d pages for %d requests failed (%s): recomputing", len(pages),
+                            len(group), exc)
+                failed.update(blocks)
                 continue
-            loaded += len(job.pages) * self.block_size
+            loaded += len(pages) * self.block_size
+        for job in jobs:
+            if not job.valid:
+                failed.update(job.blocks)
         failures = sum(1 for job in jobs if failed.intersection(job.blocks))
         if self.counts_tokens:
             self.done.report.loaded_tokens += loaded
@@ -153,25 +162,29 @@ class WorkerSide:
         return failed
 
     def save(self, plan: StepPlan) -> None:
-        """Copy each save job's blocks into its pages; the step is reported done with what failed."""
+        """Copy the step's save jobs' blocks into their pages, one gather and scatter per layer for all
+        of them (per pool); the step is reported done with what failed."""
         for job in plan.saves:
             self._saved.add(job.req_id)
-            if not self._save(job):
-                self.done.failed_saves.add((plan.step, job.req_id))
-                self.done.report.fail("save")
+        for epoch, group in _by_epoch(plan.saves).items():
+            if not self._save(epoch, group):
+                for job in group:
+                    self.done.failed_saves.add((plan.step, job.req_id))
+                    self.done.report.fail("save")
             elif self.counts_tokens:
-                self.done.report.saved_tokens += len(job.pages) * self.block_size
+                self.done.report.saved_tokens += sum(len(job.pages) for job in group) * self.block_size
         self.done.steps[plan.step] = self.done.steps.get(plan.step, 0) + 1
 
-    def _save(self, job: SaveJob) -> bool:
-        mapped = self._mapping(job.epoch)
+    def _save(self, epoch: int, group: list[SaveJob]) -> bool:
+        mapped = self._mapping(epoch)
         if mapped is None:
             return False
+        pages = [p for job in group for p in job.pages]
         try:
-            self.copier.save(mapped.kv, job.blocks, job.pages)
+            self.copier.save(mapped.kv, [b for job in group for b in job.blocks], pages)
             mapped.check()
         except (StaleHandle, RuntimeError, IndexError) as exc:
-            log.warning("kvpool: saving %d pages of %s failed (%s)", len(job.pages), job.req_id, exc)
+            log.warning("kvpool: saving %d pages of %d requests failed (%s)", len(pages), len(group), exc)
             return False
         return True
 
@@ -194,3 +207,11 @@ class WorkerSide:
             if mapped is not None:
                 mapped.close()
         self._mapped = self._fresh = None
+
+
+def _by_epoch(jobs: list[_Job]) -> dict[int, list[_Job]]:
+    """Jobs grouped by the pool they name (a step's jobs name one, but for a sidecar restart), in order."""
+    out: dict[int, list[_Job]] = {}
+    for job in jobs:
+        out.setdefault(job.epoch, []).append(job)
+    return out
