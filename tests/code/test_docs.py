@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 NAMED = re.compile(r"(?<![\w/.:\-])((?:[\w\-]+/)*[\w\-]+\.(?:py|pyi|c|md|yaml|yml|toml))(?![\w/])")
 TEXTS = sorted({
-    *ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("bench/*.py"), *ROOT.glob("scripts/*.py"),
+    *ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("bench/**/*.py"), *ROOT.glob("scripts/*.py"),
     *(ROOT / "sidecar" / "kvpool_sidecar").rglob("*.py"), *(ROOT / "sidecar" / "kvpool_sidecar").rglob("*.c"),
     *(ROOT / "operator" / "kvpool_operator").rglob("*.py"), *(ROOT / "tests").rglob("*.py"),
 })

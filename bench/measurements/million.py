@@ -1,7 +1,7 @@
 """A pool of a million pages with the shipped defaults: memory per cached page, and how long the calls
 that touch many pages (a long pin lapsing, a policy switch, a partition resize) hold up admissions.
 
-    .venv/bin/python bench/million.py [--pages 1000000] [--pin-pages 4000]
+    .venv/bin/python bench/measurements/million.py [--pages 1000000] [--pin-pages 4000]
 
 Prints:
 * bytes per cached page (tracemalloc) of the pool with the default policy, its self-tuner and sketch,

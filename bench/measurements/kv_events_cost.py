@@ -1,8 +1,8 @@
 """What publishing kvpool's tier as KV events costs the engine per request, measured on the connector's own
 code (instructions do not drift with a noisy machine the way a served benchmark's throughput does).
 
-    .venv/bin/python bench/kv_events_cost.py                      # 20-block prompts
-    .venv/bin/python bench/kv_events_cost.py --blocks 60 --repeat 2000
+    .venv/bin/python bench/measurements/kv_events_cost.py                      # 20-block prompts
+    .venv/bin/python bench/measurements/kv_events_cost.py --blocks 60 --repeat 2000
 
 Per request on the engine's scheduler thread, with ``kv_events: true``: the connector's bookkeeping of
 the commit (:class:`~kvpool_sidecar.routing.kv_events.EventLog`), one ``BlockStored`` of all its blocks

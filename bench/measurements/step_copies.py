@@ -1,6 +1,6 @@
 """A step's saves copied per request against batched (one gather and scatter per layer for the step).
 
-    .venv/bin/python bench/step_copies.py [--requests 32] [--blocks 4]
+    .venv/bin/python bench/measurements/step_copies.py [--requests 32] [--blocks 4]
 
 CPU tensors in the engine's CPU layout, torch copies (what a CPU engine and, across devices, a GPU
 engine run); the tiny model's shape and a 7B-like one (28 layers, 4 KV heads, head dim 128).

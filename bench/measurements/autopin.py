@@ -1,6 +1,6 @@
 """Auto-pin against none: the shipped policy with each auto-pin rule on and off, same pool, same traces.
 
-    .venv/bin/python bench/autopin.py [--capacity 0.02 0.05 0.1] [--seeds 11 12 13] [--profiles to-b ...]
+    .venv/bin/python bench/measurements/autopin.py [--capacity 0.02 0.05 0.1] [--seeds 11 12 13] [--profiles to-b ...]
 
 Token hit ratio of the shipped defaults with: both auto-pin rules (long prompts of at least
 ``minPromptTokens``, prefixes hotter than ``minPrefixQPS``), each rule alone, and none; on the shipped
@@ -16,7 +16,7 @@ from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.replay import parse_lines, read_trace, replay_pool
 from kvpool_sidecar.replay.synth import PROFILES, generate
 
-TRACES = Path(__file__).resolve().parents[1] / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 NEVER = 1 << 30  # a threshold no prompt or prefix reaches
 
 

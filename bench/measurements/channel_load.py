@@ -1,6 +1,6 @@
 """The engine channel alone: what one engine's per-step traffic costs a live sidecar, no engine beside it.
 
-    .venv/bin/python bench/channel_load.py [--requests 4000] [--per-step 4] [--policy workload_adaptive]
+    .venv/bin/python bench/measurements/channel_load.py [--requests 4000] [--per-step 4] [--policy workload_adaptive]
 
 Starts ``kvpool-sidecar serve`` (its defaults but the policy) and replays the conversation trace's
 requests as an engine does: each step message carries ``--per-step`` admissions (the trace's block
@@ -25,9 +25,11 @@ from pathlib import Path
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.link import Connection
 from kvpool_sidecar.replay import open_trace
-from serve import cpu_seconds  # bench/serve.py: the same measure of the sidecar's CPU
 
-TRACE = Path(__file__).resolve().parents[1] / "traces" / "mooncake_conversation.jsonl.gz"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+from serve import cpu_seconds
+
+TRACE = Path(__file__).resolve().parents[2] / "traces" / "mooncake_conversation.jsonl.gz"
 PAGE = 512  # the trace's block size
 
 

@@ -1,7 +1,7 @@
 """The to-B partition as a floor to-C may borrow, against the hard partition of an earlier commit.
 
-    .venv/bin/python bench/partitions.py                 # against 0498f80 (the last hard partition)
-    .venv/bin/python bench/partitions.py --before COMMIT --seeds 13 14 15 16
+    .venv/bin/python bench/measurements/partitions.py                 # against 0498f80 (the last hard partition)
+    .venv/bin/python bench/measurements/partitions.py --before COMMIT --seeds 13 14 15 16
 
 Prints, side by side in one run:
 
@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
 from replay_cells import cli
 from worktrees import ROOT, checked_out
 
