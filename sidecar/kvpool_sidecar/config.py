@@ -266,7 +266,7 @@ class Workloads(_Model):
 # Two rules. A prefix admitted more than minPrefixQPS times a second keeps the pages it reused pinned
 # (its reuse is measured). A prompt of at least minPromptTokens is pinned for its length alone, nothing
 # measured: unset by default, since on the shipped traces and held-out synth profiles it serves no more
-# tokens than no auto-pin, and on to-B bursts half as many (bench/autopin.py, docs/decisions.md).
+# tokens than no auto-pin, and on to-B bursts half as many (bench/measurements/autopin.py, docs/decisions.md).
 class AutoPin(_Model):
     enabled: bool = True
     minPromptTokens: int | None = Field(default=None, ge=1, description=(

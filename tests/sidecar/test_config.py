@@ -43,7 +43,7 @@ def test_defaults_are_the_seeds():
     assert spec.workloads.toB.isolationPercent == 30
     assert spec.pinning.quotaPercent == 30
     # The seed's 1024 pinned every long prompt, come back or not: on to-B bursts it halved the tokens
-    # served (bench/autopin.py), so the long-prompt rule ships unset; the hot-prefix rule stays.
+    # served (bench/measurements/autopin.py), so the long-prompt rule ships unset; the hot-prefix rule stays.
     assert spec.pinning.autoPin.minPromptTokens is None
     assert spec.pinning.autoPin.minPrefixQPS == 100
     assert parse_duration(spec.learning.coldStartPeriod) == 7 * 24 * 3600
