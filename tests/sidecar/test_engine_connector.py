@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -399,6 +400,7 @@ def test_a_job_from_another_pool_epoch_or_a_lapsed_session_is_never_copied():
         from kvpool_sidecar.engines.scheduler import SaveJob
 
         worker.save(StepPlan(7, [], [SaveJob("r", storage.epoch + 1, [0], [1]), SaveJob("q", storage.epoch, [1], [1])]))
+        worker.copies.submit(lambda: None).result()  # the queued saves are written
         report = worker.take_done()
         assert report.steps == {7: 1} and report.failed_saves == {(7, "r")}
         assert worker.finished({"r", "q", "z"}) == {"r", "q"}  # the ones that had saves
@@ -490,6 +492,109 @@ def test_the_forward_path_never_waits_for_a_remap():
     finally:
         old.close()
         new.close()
+
+
+def test_pool_pages_are_held_for_the_transfers_only_not_through_decode():
+    """A request holds its admission until its loads are read and its saves committed, then gives it
+    back while it decodes on: its hits and saved pages are evictable cache again, not held by it."""
+    path, live = sidecar_with_channel(pages=16)
+    with live as (_, sidecar):
+        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
+        save_whole(side, "first", hashes(3), 13, [1, 2, 3, 4])
+        settle(side.link, sidecar, lambda sc: sc.pool.stats().cached_pages == 3)
+        # A request hitting those 3 pages and saving 2 more, over two steps of chunked prefill.
+        assert wait_for(side, "r", hashes(5), 5 * PS + 1, 0, None) == 3 * PS
+        side.allocated("r", list(range(10, 16)), 3 * PS)
+        step1 = side.plan([("r", list(range(10, 16)), True, 3 * PS, PS)])
+        assert step1.loads and [j.blocks for j in step1.saves] == [[13]]
+        step2 = side.plan([("r", None, False, 4 * PS, PS + 1)])
+        assert [j.blocks for j in step2.saves] == [[14]]
+        side.worker_done(done(step1.step))
+        time.sleep(0.05)
+        assert sidecar.pool.stats().sequences == 1  # its last save is not written yet: held
+        side.worker_done(done(step2.step))
+        for _ in range(3):  # decode steps: nothing to move, nothing held
+            assert side.plan([("r", None, False, 5 * PS + 1, 1)]).saves == []
+        settle(side.link, sidecar, lambda sc: sc.pool.stats().sequences == 0 and sc.pool.stats().cached_pages == 5)
+        sidecar.pool.check_invariants()
+        assert side.finished("r") is True  # it had saves: the engine's blocks come back through the worker
+        side.sent({"r"})  # nothing left to release
+        # A request whose whole prompt is a hit: released once its load step is reported.
+        assert wait_for(side, "h", hashes(5), 5 * PS + 1, 0, None) == 5 * PS
+        side.allocated("h", list(range(20, 26)), 5 * PS)
+        side.worker_done(done(side.plan([("h", list(range(20, 26)), True, 5 * PS, 1)]).step))
+        side.plan([("h", None, False, 5 * PS + 1, 1)])
+        settle(side.link, sidecar)
+        assert side.finished("h") is False
+        side.link.close()
+
+
+class GatedCopier:
+    """The worker's copier with its saves held at a gate: a deliberately slow copy."""
+
+    def __init__(self, copier: PageCopier) -> None:
+        self.copier, self.gate, self.started = copier, threading.Event(), threading.Event()
+        self.load = copier.load
+
+    def save(self, *args) -> None:
+        self.started.set()
+        assert self.gate.wait(30), "the test never opened the gate"
+        self.copier.save(*args)
+
+
+def test_a_step_returns_before_its_save_is_written_and_the_page_is_committed_only_after():
+    """Saves run off the forward path: the step returns with its copy still running; the scheduler
+    commits nothing, and the engine gets the finished request back (its blocks) only once the copy
+    is written; a preempted request's queued saves are waited for before its blocks are reused."""
+    storage = KVStorage(SHAPE, PS, pages=16, shared=True)
+    path = socket_path()
+    with live_sidecar(CONFIG, pages=16, storage=storage, engine_socket=path) as (_, sidecar):
+        kv = engine_kv(6, "cpu")
+        worker = WorkerSide(welcome_of(path), engine_layers(kv, 6), PS)
+        worker.attach(strict=True)
+        worker.copier = gated = GatedCopier(worker.copier)  # type: ignore[assignment]
+        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s1", lookup_wait=0.5)
+        wait_for(side, "r", hashes(3), 13, 0, None)
+        side.allocated("r", [1, 2, 3, 4], 0)
+        plan = side.plan([("r", [1, 2, 3, 4], True, 0, 13)])
+        started = time.monotonic()
+        worker.save(plan)  # the step's wait_for_save
+        assert time.monotonic() - started < 1 and gated.started.wait(5)  # returned; the copy is running
+        assert worker.finished({"r"}) == set()  # the engine keeps the blocks: the copy still reads them
+        side.worker_done(worker.take_done() or StepDone())
+        assert side.finished("r") is True
+        time.sleep(0.05)
+        assert sidecar.pool.stats().cached_pages == 0  # nothing committed before the copy is written
+        gated.gate.set()
+        deadline = time.monotonic() + 5
+        while not (finished := worker.finished(set())):  # later steps: reported once written
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert finished == {"r"}
+        side.worker_done(worker.take_done() or StepDone())  # the same output: commits, then the release
+        side.sent(finished)
+        settle(side.link, sidecar, lambda sc: sc.pool.stats().cached_pages == 3 and sc.pool.stats().sequences == 0)
+        pages = plan.saves[0].pages
+        for page, block in zip(pages, [1, 2, 3], strict=True):  # the blocks' bytes, written before the commit
+            assert torch.equal(storage.kv[page, 0].flatten(), kv["layer.0"][block].flatten())
+
+        # Preemption: the engine frees the blocks at once; the next step waits for the queued save.
+        gated.gate.clear()
+        gated.started.clear()
+        wait_for(side, "q", hashes(3, "q"), 13, 0, None)
+        side.allocated("q", [5, 4, 3, 2], 0)
+        worker.save(side.plan([("q", [5, 4, 3, 2], True, 0, 13)]))
+        assert gated.started.wait(5)
+        waited = threading.Thread(target=worker.preempted, args=({"q"},))
+        waited.start()
+        waited.join(0.2)
+        assert waited.is_alive()  # held until the copy has read the blocks
+        gated.gate.set()
+        waited.join(5)
+        assert not waited.is_alive()
+        side.link.close()
+        worker.close()
+    storage.close()
 
 
 def test_under_pressure_a_request_loads_its_hits_and_saves_what_fits():

@@ -1,13 +1,16 @@
 """The scheduler's half of an engine connector, in the engine's terms but without the engine.
 
 Per request: one admission to the sidecar by the engine's own block hashes (which holds the pool's
-hit pages until the request is released, so nothing it promised can be evicted before it is loaded),
+hit pages until they are loaded, and fresh pages for the blocks to save until they are committed),
 then, step by step, which pool pages to load into which engine blocks and which newly computed full
 blocks to save into which pool pages. The worker copies (:mod:`.worker`); this side commits and releases.
+A request's admission is released as soon as its transfers are over (its loads read, its last save
+committed or failed), not when the request finishes: a long decode holds no pool page, and what it
+committed stays in the pool as cache, evictable like any other page.
 
 Ordering, through the engine's own channel (never two links for one request):
 * step ``k``'s saves are committed only once the worker has reported step ``k`` done (its saves are
-  written: the engine runs ``wait_for_save`` before it returns the step's output), and never past a
+  written: they run off the forward path, so the report may come some steps later), and never past a
   save that failed;
 * a request that had saves is finished only through the engine's completion channel: ``finished``
   returns True (the engine keeps its blocks), the worker reports it in ``finished_sending`` once the
@@ -67,6 +70,7 @@ class StepPlan:
     step: int = 0
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)  # requests whose blocks the engine freed this step
 
 
 @dataclass
@@ -108,6 +112,7 @@ class _Request:
     load: tuple[int, int] | None = None  # (first block index, count) still to load
     saved: int = 0  # pages [0, saved) are in the pool or being saved
     save_failed: bool = False  # nothing past a failed save is committed
+    in_flight: int = 0  # steps with its loads or saves whose worker report is awaited
     # With KV events: the engine's request and its block hashes, and how many of its pages the sidecar
     # says are published (written on the link's thread only, in reply order).
     source: Any = None
@@ -117,6 +122,11 @@ class _Request:
     @property
     def active(self) -> bool:
         return self.future is not None or self.epoch is not None
+
+    @property
+    def transfers_over(self) -> bool:
+        """Nothing of its admission is still to be read or written: its pages can go back."""
+        return self.in_flight == 0 and self.load is None and (self.saved >= self.num_pages or self.save_failed)
 
 
 class SchedulerSide:
@@ -137,8 +147,8 @@ class SchedulerSide:
         self._next_id = 0
         self._prefix = session
         self._step = 0
-        # step -> [(req_id, request, pages saved up to)] awaiting the worker's report
-        self._pending: dict[int, list[tuple[str, _Request, int]]] = {}
+        # step -> [(req_id, request, pages saved up to, or None: a load only)] awaiting the worker's report
+        self._pending: dict[int, list[tuple[str, _Request, int | None]]] = {}
         # Requests that had a save job, as the worker saw them: they finish through finished_sending.
         self._saved: set[str] = set()
         self._done: dict[int, int] = {}  # ranks that reported each pending step so far
@@ -261,15 +271,17 @@ class SchedulerSide:
             first = req.local_tokens // self.block_size
             req.load = (first, num_external_tokens // self.block_size)
 
-    def plan(self, scheduled: list[tuple[str, list[int] | None, bool, int, int]]) -> StepPlan:
+    def plan(self, scheduled: list[tuple[str, list[int] | None, bool, int, int]],
+             preempted: set[str] | None = None) -> StepPlan:
         """``scheduled``: (req_id, block ids: all when ``replace`` else the new ones or None, replace,
-        tokens computed before this step, tokens scheduled in it), for every request in the step."""
+        tokens computed before this step, tokens scheduled in it), for every request in the step;
+        ``preempted``: the requests the engine preempted (their blocks may be reused in this step)."""
         self._wait_until = None  # the engine builds the plan once per step, after every lookup of it
         self._step += 1
-        plan = StepPlan(self._step)
+        plan = StepPlan(self._step, preempted=set(preempted or ()))
         bs = self.block_size
         live = self.link.generation
-        committing: list[tuple[str, _Request, int]] = []
+        pending: list[tuple[str, _Request, int | None]] = []
         for req_id, block_ids, replace, computed, scheduled_tokens in scheduled:
             req = self._requests.get(req_id)
             if req is None or req.epoch is None:
@@ -277,6 +289,7 @@ class SchedulerSide:
             if block_ids is not None:
                 req.blocks = list(block_ids) if replace else req.blocks + list(block_ids)
             valid = req.generation == live
+            loading = False
             if req.load is not None:
                 first, count = req.load
                 req.load = None
@@ -284,6 +297,7 @@ class SchedulerSide:
                 # the worker reports those blocks failed and the engine recomputes them.
                 plan.loads.append(LoadJob(req_id, req.epoch, req.page_ids[first : first + count],
                                           req.blocks[first : first + count], valid))
+                loading = valid
             if not valid:
                 continue
             upto = min((computed + scheduled_tokens) // bs, req.num_pages, len(req.blocks))
@@ -292,9 +306,15 @@ class SchedulerSide:
                                           req.blocks[req.saved : upto]))
                 req.saved = upto
                 self._saved.add(req_id)
-                committing.append((req_id, req, upto))
-        if committing:
-            self._pending[plan.step] = committing
+                pending.append((req_id, req, upto))
+            elif loading:
+                pending.append((req_id, req, None))
+            elif req.transfers_over:
+                self._release(req)
+        if pending:
+            for _, req, _ in pending:
+                req.in_flight += 1
+            self._pending[plan.step] = pending
             self._order.append(plan.step)
             while len(self._order) > MAX_PENDING_STEPS:  # a worker that never reports: commit nothing
                 self._pending.pop(self._order.popleft(), None)
@@ -313,13 +333,14 @@ class SchedulerSide:
             step = self._order.popleft()
             self._done.pop(step, None)
             for req_id, req, upto in self._pending.pop(step, ()):
+                req.in_flight -= 1
                 if (step, req_id) in self._failed:
                     req.save_failed = True
-                if req.save_failed:
-                    continue
-                if req.epoch is not None:
+                if upto is not None and not req.save_failed and req.epoch is not None:
                     self.link.commit(req.seq_id, upto * self.block_size, req.generation,
                                      self._announcer(req) if self.events is not None else None)
+                if req.transfers_over:
+                    self._release(req)  # after its commits, on the same link
             self._failed = {(s, rid) for s, rid in self._failed if s > step}
 
     def _announcer(self, req: _Request) -> Any:

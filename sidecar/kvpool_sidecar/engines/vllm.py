@@ -131,8 +131,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a save that does not happen is a future miss, so a request preempted with
-        saves pending may finish normally (vLLM recomputes it otherwise). Nothing of a save is left to
-        read from the engine's blocks by then: the worker writes a step's saves before the step returns."""
+        saves pending may finish normally (vLLM recomputes it otherwise). Its queued saves still read its
+        freed blocks: :meth:`handle_preemptions` waits for them before the step that may reuse them."""
         return False
 
     # ================================================================== scheduler side
@@ -199,7 +199,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             new_ids = cached.new_block_ids[i]
             scheduled.append((req_id, new_ids[0] if new_ids is not None else None, req_id in cached.resumed_req_ids,
                               cached.num_computed_tokens[i], counts[req_id]))
-        return KVPoolMetadata(self._scheduler.plan(scheduled))
+        return KVPoolMetadata(self._scheduler.plan(scheduled, scheduler_output.preempted_req_ids))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
@@ -222,6 +222,11 @@ class KVPoolConnector(KVConnectorBase_V1):
                                   backend=self.settings.kernels, rank=rank, ranks=self.ranks)
         self._worker.attach(strict=True)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, KVPoolMetadata)
+        if self._worker is not None and kv_connector_metadata.plan.preempted:
+            self._worker.preempted(kv_connector_metadata.plan.preempted)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolMetadata) and self._worker is not None
@@ -236,6 +241,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         return  # every layer is saved at once in wait_for_save, after the forward pass wrote them
 
     def wait_for_save(self) -> None:
+        """Queues the step's saves (they are written off the forward path and reported when done)."""
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()

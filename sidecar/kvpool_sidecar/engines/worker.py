@@ -5,12 +5,19 @@ Safety rules (a wrong KV page is a wrong answer):
   mapping of that epoch (re-mapping when the sidecar restarted), else the job fails: a failed load is
   reported so the engine recomputes those blocks, a failed save is reported so that the scheduler never
   commits it (nor anything of that request after it);
-* the worker never commits: it reports each step it ran (:class:`~.scheduler.StepDone`, through the
-  engine's own worker-to-scheduler metadata, which vLLM aggregates over its ranks) and the scheduler
-  commits a step's saves once every rank has reported it, none of them failed (a tensor-parallel
-  rank writes its share of each page: a page is whole only when every rank's share is in). Requests
-  that had saves are reported in ``finished_sending`` once the engine says they finished, so their
-  release follows their commits.
+* the worker never commits: it reports each step whose saves are written (:class:`~.scheduler.StepDone`,
+  through the engine's own worker-to-scheduler metadata, which vLLM aggregates over its ranks) and the
+  scheduler commits a step's saves once every rank has reported it, none of them failed (a
+  tensor-parallel rank writes its share of each page: a page is whole only when every rank's share is
+  in). Requests that had saves are reported in ``finished_sending`` once the engine says they finished
+  and their last save is written, in the same output as that save's report, so their release follows
+  their commits and the engine keeps their blocks until the copy has read them.
+
+Saves are asynchronous: ``save`` queues the step's copies (:mod:`.copies`: a thread here, a copy stream
+on CUDA) and returns, so the engine's next step runs while they are written. A block being read by a
+queued save is the engine's until the save completes: a finished request's blocks are held through
+``finished_sending`` (above); a preempted request's are freed at once, so ``preempted`` waits for its
+saves before the step that may reuse them. Loads feed the step's own forward and run on its thread.
 
 The worker talks to the sidecar only to fetch the pool's storage handle: at start, and after a restart
 on a thread of its own, never in the forward path (a job for a pool it has not mapped yet fails at
@@ -21,11 +28,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import EngineLayer, LayoutError, PageCopier, check_compatible
+from kvpool_sidecar.engines.copies import CopyQueue
 from kvpool_sidecar.engines.link import Backoff, Refused, SidecarDown
 from kvpool_sidecar.engines.scheduler import LoadJob, SaveJob, StepDone, StepPlan
 from kvpool_sidecar.storage import KVStorage, StaleHandle
@@ -33,6 +44,16 @@ from kvpool_sidecar.storage.tensors import AttachedKV
 
 log = logging.getLogger("kvpool.engine")
 _Job = TypeVar("_Job", LoadJob, SaveJob)
+
+
+@dataclass
+class _Flight:
+    """One step's saves of one pool, queued: done when ``written`` is (True: every page written)."""
+
+    step: int
+    req_ids: list[str]
+    tokens: int
+    written: Future[bool]
 
 
 class WorkerSide:
@@ -46,7 +67,10 @@ class WorkerSide:
         self.copier = PageCopier(layers, backend, rank, ranks)
         self.backoff = backoff or Backoff("sidecar (worker)")
         self.done = StepDone()  # what the next worker metadata carries
+        self.copies = CopyQueue(layers[0].rows.device)
+        self._flights: deque[_Flight] = deque()  # saves queued, oldest first
         self._saved: set[str] = set()  # requests that had a save job (they finish through finished_sending)
+        self._finishing: set[str] = set()  # of those, finished by the engine, a save still in flight
         self._mapped: AttachedKV | None = None  # used and replaced by the forward path's thread only
         self._fresh: AttachedKV | None = None  # a new pool's mapping, made by the background remap
         self._remapping: threading.Thread | None = None
@@ -99,10 +123,10 @@ class WorkerSide:
         a remap starts in the background)."""
         with self._handoff:
             fresh, self._fresh = self._fresh, None
-        if fresh is not None:  # swapped here, on the forward path's thread: no copy uses the old one now
-            old, self._mapped = self._mapped, fresh
+        if fresh is not None:  # swapped here, on the forward path's thread; queued saves may still use
+            old, self._mapped = self._mapped, fresh  # the old one: it is closed after them, in the queue
             if old is not None:
-                old.close()
+                self.copies.submit(old.close)
         mapped = self._mapped
         if mapped is not None and mapped.epoch == epoch:
             try:
@@ -162,23 +186,24 @@ class WorkerSide:
         return failed
 
     def save(self, plan: StepPlan) -> None:
-        """Copy the step's save jobs' blocks into their pages, one gather and scatter per layer for all
-        of them (per pool); the step is reported done with what failed."""
+        """Queue the step's save jobs: one gather and scatter per layer for all of them (per pool), run
+        off the forward path; the step is reported done once they are written (or failed)."""
         for job in plan.saves:
             self._saved.add(job.req_id)
         for epoch, group in _by_epoch(plan.saves).items():
-            if not self._save(epoch, group):
-                for job in group:
-                    self.done.failed_saves.add((plan.step, job.req_id))
-                    self.done.report.fail("save")
-            elif self.counts_tokens:
-                self.done.report.saved_tokens += sum(len(job.pages) for job in group) * self.block_size
-        self.done.steps[plan.step] = self.done.steps.get(plan.step, 0) + 1
+            req_ids = [job.req_id for job in group]
+            tokens = sum(len(job.pages) for job in group) * self.block_size
+            mapped = self._mapping(epoch)
+            if mapped is None:
+                written: Future[bool] = Future()
+                written.set_result(False)
+            else:
+                written = self.copies.submit(lambda m=mapped, g=group: self._write(m, g))
+            self._flights.append(_Flight(plan.step, req_ids, tokens, written))
+        self._flights.append(_Flight(plan.step, [], 0, _DONE))  # the step's report, after its saves
 
-    def _save(self, epoch: int, group: list[SaveJob]) -> bool:
-        mapped = self._mapping(epoch)
-        if mapped is None:
-            return False
+    def _write(self, mapped: AttachedKV, group: list[SaveJob]) -> bool:
+        """On the copy queue: the group's blocks into their pages; False when that failed."""
         pages = [p for job in group for p in job.pages]
         try:
             self.copier.save(mapped.kv, [b for job in group for b in job.blocks], pages)
@@ -188,25 +213,69 @@ class WorkerSide:
             return False
         return True
 
+    def _harvest(self) -> None:
+        """Move the saves written since the last call (oldest first, as the queue runs them) into the
+        report; a step is reported once all of its saves are."""
+        while self._flights and self._flights[0].written.done():
+            flight = self._flights.popleft()
+            if not flight.req_ids:  # the step's marker: every save of the step before it is in
+                self.done.steps[flight.step] = self.done.steps.get(flight.step, 0) + 1
+                continue
+            try:
+                ok = flight.written.result()
+            except Exception as exc:  # a copy that raised what _write does not expect: a failed save
+                log.warning("kvpool: a save failed (%s)", exc)
+                ok = False
+            if not ok:
+                for req_id in flight.req_ids:
+                    self.done.failed_saves.add((flight.step, req_id))
+                    self.done.report.fail("save")
+            elif self.counts_tokens:
+                self.done.report.saved_tokens += flight.tokens
+
+    def preempted(self, req_ids: set[str]) -> None:
+        """The engine freed these requests' blocks (preemption) and may reuse them in this step: wait for
+        the queued saves that read them."""
+        last = None
+        for flight in self._flights:
+            if req_ids.intersection(flight.req_ids):
+                last = flight
+        if last is not None:
+            last.written.exception()  # waits; the queue runs in order, so every save before it is done too
+
     def take_done(self) -> StepDone | None:
-        """The steps run since the last call (for the engine's worker metadata), or None."""
+        """The steps whose saves are written since the last call (for the engine's worker metadata), or
+        None."""
+        self._harvest()
         if not self.done.steps and not self.done.failed_saves and self.done.report.empty():
             return None
         done, self.done = self.done, StepDone()
         return done
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
-        """Of the requests the engine says finished, those that had saves: all written (saves are
-        synchronous), so they may be released now."""
-        out = self._saved & finished_req_ids
-        self._saved -= out
+        """Of the requests the engine says finished (now or before), those that had saves and whose saves
+        are all written: they may be released (their saves are reported in the same output, by
+        :meth:`take_done`, which the engine calls after this)."""
+        self._finishing |= self._saved & finished_req_ids
+        self._saved -= finished_req_ids
+        if not self._finishing:
+            return set()
+        self._harvest()
+        busy = {req_id for flight in self._flights for req_id in flight.req_ids}
+        out = self._finishing - busy
+        self._finishing -= out
         return out
 
     def close(self) -> None:
+        self.copies.close()  # the queued saves first: they use the mappings
         for mapped in (self._mapped, self._fresh):
             if mapped is not None:
                 mapped.close()
         self._mapped = self._fresh = None
+
+
+_DONE: Future[bool] = Future()
+_DONE.set_result(True)
 
 
 def _by_epoch(jobs: list[_Job]) -> dict[int, list[_Job]]:
