@@ -1,7 +1,8 @@
 """An engine's life beside a live sidecar, under concurrent clients: the sidecar killed -9 and restarted
 mid-load fails no request and changes no token; vLLM's OpenAI server killed -9 with requests in flight
-(three times) leaks nothing; a server restarted on other weights (same shape, same folder) never loads
-the old model's KV.
+(three times, the last with its saves' copies held back, so that it dies mid-copy) leaks nothing and
+publishes no page it had not written; a server restarted on other weights (same shape, same folder)
+never loads the old model's KV.
 
 Real processes: ``kvpool-sidecar serve`` and ``python -m vllm.entrypoints.openai.api_server`` with the
 connector, clients over HTTP. Each server start costs about 25 s.
@@ -29,14 +30,20 @@ from engine_support import BLOCK, SidecarProcess, connector_config, engine_env, 
 from support import free_port
 from tiny_model import build_tiny_model
 
+DEV = Path(__file__).resolve().parents[2] / "dev"
+
 
 class Server:
-    def __init__(self, model: Path, sidecar: SidecarProcess, folder: Path) -> None:
+    def __init__(self, model: Path, sidecar: SidecarProcess, folder: Path, slow_saves: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         import json
 
+        connector = connector_config(sidecar.socket)
         env = dict(os.environ)
+        if slow_saves:  # every save's copy held back 1 s before its first byte (dev/slow_copies.py)
+            connector.update(kv_connector="SlowSavesConnector", kv_connector_module_path="slow_copies")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DEV), env.get("PYTHONPATH")]))
         for k, v in engine_env().items():
             if v is None:
                 env.pop(k, None)
@@ -48,7 +55,7 @@ class Server:
              "--block-size", str(BLOCK), "--max-model-len", "2048", "--enforce-eager", "--no-enable-prefix-caching",
              "--num-gpu-blocks-override", "80", "--gpu-memory-utilization", "0.3", "--port", str(self.port),
              "--host", "127.0.0.1", "--seed", "0",
-             "--kv-transfer-config", json.dumps(connector_config(sidecar.socket))],
+             "--kv-transfer-config", json.dumps(connector)],
             env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + 180
@@ -139,21 +146,24 @@ def load(server: Server, prompts: list[list[int]], clients: int = 8, salted: boo
     return out
 
 
-def crash_under_load(server: Server, sidecar: SidecarProcess) -> None:
-    """Clients keep 8 requests in flight; the server is killed -9 while the pool holds their sequences."""
+def crash_under_load(server: Server, sidecar: SidecarProcess) -> list[list[int]]:
+    """Clients keep 8 requests in flight; the server is killed -9 while the pool holds sequences of theirs
+    (admissions whose loads or saves are in flight). Returns each client's last prompt."""
     stop = threading.Event()
+    last: list[list[int]] = [[] for _ in range(8)]
 
     def client(i: int) -> None:
         k = 0
         while not stop.is_set():
-            server.complete(shared_prompts(1, 1000 + 31 * i + k)[0], max_tokens=48)
+            last[i] = shared_prompts(1, 1000 + 31 * i + k)[0]
+            server.complete(last[i], max_tokens=48)
             k += 1
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(8)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while sidecar.get("/v1/stats")["sequences"] < 3:
+    while sidecar.get("/v1/stats")["sequences"] < 1:
         assert time.monotonic() < deadline, "the engine never held sequences in the pool"
         time.sleep(0.02)
     server.kill()
@@ -166,6 +176,7 @@ def crash_under_load(server: Server, sidecar: SidecarProcess) -> None:
     assert sidecar.metric("kvpool_engine_lapsed_sequences_total") >= lapsed_before
     for t in threads:
         t.join(70)
+    return [p for p in last if p]
 
 
 def test_the_engine_survives_its_sidecar_and_its_own_crashes_and_never_loads_another_models_kv(tmp_path):
@@ -213,7 +224,18 @@ def test_the_engine_survives_its_sidecar_and_its_own_crashes_and_never_loads_ano
             assert eventually(lambda: sidecar.metric(LOADED) > before)
         finally:
             crash_under_load(server, sidecar)  # kill 2
+        # Kill 3 with every save's copy held back a second: the engine dies with saves queued and their
+        # sequences held. Nothing of them is published: had a page been committed before its bytes were
+        # written, the next engine would load zeros there and answer other tokens.
+        server = Server(model, sidecar, tmp_path, slow_saves=True)
+        lapsed = sidecar.metric("kvpool_engine_lapsed_sequences_total")
+        in_flight = crash_under_load(server, sidecar)  # kill 3
+        assert sidecar.metric("kvpool_engine_lapsed_sequences_total") > lapsed  # it died mid-transfer
         server = Server(model, sidecar, tmp_path)
-        crash_under_load(server, sidecar)  # kill 3
+        try:
+            alone = [server.complete(p, salt="alone") for p in in_flight]
+            assert all(alone) and [server.complete(p) for p in in_flight] == alone
+        finally:
+            server.stop()
     finally:
         sidecar.stop()
