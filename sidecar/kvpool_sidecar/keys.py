@@ -8,6 +8,7 @@ salted by its tenant unless the prefix is declared shared.
 from __future__ import annotations
 
 import hashlib
+import pickle
 from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -143,3 +144,41 @@ def prompt_keys(
     except TypeError:
         raise InvalidRequest("block_hashes must be integers or strings", "block_hashes") from None
     return keys, n
+
+
+# ------------------------------------------------------------------------ the engine's key space
+# An engine's pages are keyed by its own block hashes, namespaced by the identity of the model that
+# computed them (the connector's ``model``): the namespace's 16 bytes and the hash.
+ENGINE_HASHES = ("sha256",)  # vLLM's block-hash functions the sidecar can compute from token ids
+
+
+def namespace(model: str) -> bytes:
+    """The key namespace of an engine's model identity (16 bytes)."""
+    return hashlib.blake2b(model.encode(), digest_size=16, person=b"kvpool-model").digest()
+
+
+def namespaced(ns: bytes, hashes: list[bytes]) -> list[bytes]:
+    """Each engine block hash made a pool key of model ``ns`` (a concatenation, not a second hash: it is
+    on every admission's path)."""
+    return list(map(ns.__add__, hashes))
+
+
+def _vllm_sha256(value: object) -> bytes:
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def engine_block_hashes(tokens: Sequence[int], block_size: int, algo: str, seed: str) -> list[bytes]:
+    """vLLM's block hashes of the full blocks of a prompt that carries no extra keys (no LoRA adapter,
+    multimodal input or cache salt): the first block's parent is H(seed), and block i hashes
+    H((parent, its token ids as a tuple, None)), H being vLLM's ``sha256`` (over a pickle). Each engine
+    sends a probe computed by vLLM itself in its hello, and the channel checks this function against it
+    before it uses it for that model."""
+    if algo not in ENGINE_HASHES:
+        raise InvalidRequest(f"the engine hashes its blocks with {algo!r}: the sidecar computes only "
+                             f"{', '.join(ENGINE_HASHES)} (vLLM's prefix_caching_hash_algo)", "model")
+    parent = _vllm_sha256(seed)
+    out = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = _vllm_sha256((parent, tuple(tokens[start : start + block_size]), None))
+        out.append(parent)
+    return out

@@ -56,6 +56,14 @@ class Meta(msgspec.Struct, array_like=True, forbid_unknown_fields=True, frozen=T
     adapter: str = ""  # the LoRA adapter the engine serves the request with ("": the base model)
 
 
+class Hashing(msgspec.Struct, array_like=True, frozen=True):
+    """How the engine hashes its blocks, so that the sidecar can name its pages from token ids."""
+
+    algo: str  # vLLM's prefix_caching_hash_algo
+    seed: str  # the seed of its first block's parent (vLLM's NONE_HASH seed)
+    probe: bytes  # vLLM's own hash of the block of token ids 0..block_size-1: the sidecar checks itself
+
+
 class Hello(msgspec.Struct, tag="hello", array_like=True):
     protocol: int
     role: str
@@ -63,6 +71,7 @@ class Hello(msgspec.Struct, tag="hello", array_like=True):
     model: str  # the served model's identity (name, revision, dtype, KV layout): keys are namespaced by it
     token: str | None = None
     events: bool = False  # follow the pool's removals of this model's pages (the engine's KV events)
+    hashing: Hashing | None = None  # the scheduler's block hashing (pins and exports by token ids)
 
 
 class Welcome(msgspec.Struct, tag="welcome", array_like=True):
@@ -178,6 +187,10 @@ def check_hello(msg: Hello) -> None:
         raise WireError(f"session must be 1-{MAX_SEQ_ID} characters (field session)")
     if not 0 < len(msg.model) <= 4096:
         raise WireError("model must be 1-4096 characters (field model)")
+    if msg.hashing is not None and not (0 < len(msg.hashing.algo) <= 64 and len(msg.hashing.seed) <= 256
+                                        and len(msg.hashing.probe) <= MAX_HASH_BYTES):
+        raise WireError("hashing: algo 1-64 characters, seed at most 256, probe at most "
+                        f"{MAX_HASH_BYTES} bytes (field hashing)")
 
 
 def check_step(msg: Step) -> None:

@@ -154,6 +154,15 @@ def prompt(seed: int, length: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(length)]
 
 
+def reset_engine_cache(llm: Any) -> None:
+    """Empty vLLM's own prefix cache. vLLM refuses while blocks are in use: a finished request's stay the
+    engine's until its saves' copies are done (a step or two after it returned its output)."""
+    deadline = time.monotonic() + 10
+    while not llm.reset_prefix_cache():
+        assert time.monotonic() < deadline, "vLLM's own prefix cache could not be reset"
+        time.sleep(0.01)
+
+
 def generate(llm: Any, tokens: list[int], *, params: dict[str, Any] | None = None, max_tokens: int = 12,
              fresh: bool = False) -> tuple[list[int], int]:
     """Greedy tokens and how many prompt tokens the engine did not compute. ``fresh``: the engine ignores
@@ -162,7 +171,7 @@ def generate(llm: Any, tokens: list[int], *, params: dict[str, Any] | None = Non
     from vllm import SamplingParams
 
     if not fresh and llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
-        assert llm.reset_prefix_cache(), "vLLM's own prefix cache could not be reset"
+        reset_engine_cache(llm)
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, skip_reading_prefix_cache=fresh or None,
                         extra_args={"kv_transfer_params": params} if params else None)
     out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]

@@ -21,7 +21,7 @@ if os.environ.get("KVPOOL_REQUIRE_ENGINE"):
 else:
     pytest.importorskip("vllm", reason="the engine tests need the vllm extra (make test installs it)")
 
-from engine_support import BLOCK, SidecarProcess, generate, make_engine, prompt
+from engine_support import BLOCK, SidecarProcess, generate, make_engine, prompt, reset_engine_cache
 from kvpool_sidecar.storage import KVStorage
 from tiny_model import build_tiny_model
 
@@ -261,6 +261,99 @@ def test_h_an_aborted_request_keeps_the_saves_it_completed(stack):
         engine.step()
     tokens, from_pool = generate(llm, second)
     assert from_pool >= PREFIX_BLOCKS * BLOCK and tokens == baseline
+
+
+def test_i_64_concurrent_requests_beyond_the_tier_get_the_tokens_vllm_computes_alone(stack):
+    """64 requests at once, their prompts together larger than the tier (256 pages) and the engine's own
+    cache (80 blocks): admissions under pressure save what fits, and no token changes."""
+    from vllm import SamplingParams
+
+    llm, sidecar, _ = stack
+    heads = [prompt(900 + i, 3 * BLOCK) for i in range(8)]  # 8 shared prefixes, 8 requests each
+    prompts = [heads[i % 8] + prompt(1000 + i, 4 * BLOCK + 5) for i in range(64)]
+    assert len(prompts) * 7 > 256 + 80 and 8 * 3 + 64 * 4 > 256  # held at once, and distinct pages
+
+    def run(fresh: bool) -> list[list[int]]:
+        sp = SamplingParams(max_tokens=8, temperature=0.0, skip_reading_prefix_cache=fresh or None)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    loaded = sidecar.metric('kvpool_connector_tokens_total{direction="loaded"}')
+    baseline = run(fresh=True)
+    reset_engine_cache(llm)
+    assert run(fresh=False) == baseline
+    deadline = time.monotonic() + 5  # the connector's report travels once a second at most
+    while sidecar.metric('kvpool_connector_tokens_total{direction="loaded"}') <= loaded:
+        assert time.monotonic() < deadline, "nothing was loaded from kvpool"
+        time.sleep(0.1)
+
+
+def test_j_a_decoding_request_holds_no_pool_page(stack):
+    """Pages are held for transfers, not for a request's life: once their prompts are saved, requests
+    still decoding hold no page in the pool (and what they saved is evictable cache)."""
+    from vllm import SamplingParams
+
+    llm, sidecar, _ = stack
+    engine = llm.llm_engine
+    ids = [engine.add_request(f"long-{i}", {"prompt_token_ids": pair(1100 + i)[0]},
+                              SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)) for i in range(4)]
+    produced: dict[str, int] = {}
+    deadline = time.monotonic() + 60
+    held_while_decoding = None
+    while time.monotonic() < deadline:
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+        if len(produced) == 4 and min(produced.values()) >= 2:
+            stats = sidecar.get("/v1/stats")
+            if not stats["sequences"] and not stats["in_use_pages"]:
+                held_while_decoding = stats
+                break
+    assert held_while_decoding is not None, "the decoding requests kept their pool pages"
+    assert engine.has_unfinished_requests() and max(produced.values()) < 400  # still decoding
+    assert held_while_decoding["cached_pages"] >= 4 * PREFIX_BLOCKS  # what they saved stays, as cache
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_k_a_prompt_pinned_by_its_token_ids_outlives_a_flood_and_is_loaded_by_vllm(stack):
+    """One key space: the sidecar names the engine's pages from token ids (vLLM's hashing, which the
+    connector's hello describes and the sidecar checks), so a pin by tokens holds what vLLM looks up;
+    pins past the quota are refused naming it; the rest of the pool churns as before."""
+    import httpx
+
+    llm, sidecar, _ = stack
+    model = llm.llm_engine.vllm_config.model_config.model
+    system, control = pair(1200)[0], pair(1250)[0]
+    baseline, _ = generate(llm, system, fresh=True)
+    control_alone, _ = generate(llm, control, fresh=True)
+    generate(llm, system)
+    generate(llm, control)  # saved too, not pinned
+    pins = []
+    r = httpx.post(sidecar.url + "/v1/pins", json={"tokens": system, "model": model}, timeout=5)
+    assert r.status_code == 201, r.text
+    assert len(r.json()["pages"]) == len(system) // BLOCK
+    pins.append(r.json()["pin_id"])
+    bad = httpx.post(sidecar.url + "/v1/pins", json={"tokens": system, "model": "other/model"}, timeout=5)
+    assert bad.status_code == 422 and bad.json()["field"] == "model" and "other/model" in bad.text
+    try:
+        for seed in range(1300, 1310):  # 13 pages each, until the quota (30 % of 256 pages) refuses one
+            extra = pair(seed)[0]
+            generate(llm, extra)
+            r = httpx.post(sidecar.url + "/v1/pins", json={"tokens": extra, "model": model}, timeout=5)
+            if r.status_code != 201:
+                break
+            pins.append(r.json()["pin_id"])
+        assert r.status_code == 409 and "pinning.quotaPercent" in r.text, r.text
+        for seed in range(1400, 1430):  # 300 pages of new prompts through a 256-page tier
+            generate(llm, prompt(seed, 10 * BLOCK), max_tokens=1)
+        tokens, from_pool = generate(llm, system)
+        assert tokens == baseline and from_pool >= PREFIX_BLOCKS * BLOCK  # loaded from kvpool
+        tokens, from_pool = generate(llm, control)
+        assert tokens == control_alone and from_pool == 0  # the flood took what was not pinned
+    finally:
+        for pin_id in pins:
+            httpx.delete(f"{sidecar.url}/v1/pins/{pin_id}", timeout=5)
 
 
 def test_connector_state_is_released_with_the_requests(stack):

@@ -529,6 +529,39 @@ def test_pool_pages_are_held_for_the_transfers_only_not_through_decode():
         side.link.close()
 
 
+def test_a_pin_by_token_ids_holds_the_pages_the_engine_saved_under_its_own_hashes():
+    """The scheduler's hello says how its engine hashes blocks; the sidecar checks that against the
+    engine's probe, and then a pin naming the served model and token ids pins the engine's pages. A
+    hello whose probe the sidecar cannot reproduce leaves pins by tokens off for that model."""
+    import httpx
+    from kvpool_sidecar.keys import engine_block_hashes
+
+    path, live = sidecar_with_channel(pages=16)
+    seed, model = "vllm-none-hash", "org/served@0123abcd"
+    probe = engine_block_hashes(list(range(PS)), PS, "sha256", seed)[0]
+    tokens = list(range(500, 500 + 3 * PS + 1))
+    with live as (url, sidecar):
+        side = SchedulerSide(SidecarLink(path, wire.Hello(wire.PROTOCOL, "scheduler", "s1", model, None, False,
+                                                          wire.Hashing("sha256", seed, probe))), PS, session="s1",
+                             lookup_wait=1.0)
+        save_whole(side, "r", engine_block_hashes(tokens, PS, "sha256", seed), len(tokens), [1, 2, 3, 4])
+        settle(side.link, sidecar, lambda sc: sc.pool.stats().cached_pages == 3)
+        for name in ("org/served", model):  # the served name, or the whole identity
+            r = httpx.post(url + "/v1/pins", json={"tokens": tokens, "model": name})
+            assert r.status_code == 201 and len(r.json()["pages"]) == 3, r.text
+        r = httpx.post(url + "/v1/pins", json={"tokens": tokens, "model": "org/other"})
+        assert r.status_code == 422 and r.json()["field"] == "model" and "org/served" in r.json()["detail"]
+        r = httpx.post(url + "/v1/pins", json={"block_hashes": ["aa"], "model": "org/served"})
+        assert r.status_code == 422 and "give tokens with it" in r.json()["detail"]
+        side.link.close()
+        liar = SidecarLink(path, wire.Hello(wire.PROTOCOL, "scheduler", "s2", "org/liar@1", None, False,
+                                            wire.Hashing("sha256", seed, b"x" * 32)))
+        assert wait_for(SchedulerSide(liar, PS, session="s2", lookup_wait=1.0), "q", hashes(1), 5, 0, None) == 0
+        r = httpx.post(url + "/v1/pins", json={"tokens": tokens, "model": "org/liar"})
+        assert r.status_code == 422 and r.json()["field"] == "model"
+        liar.close()
+
+
 class GatedCopier:
     """The worker's copier with its saves held at a gate: a deliberately slow copy."""
 

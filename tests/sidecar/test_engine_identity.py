@@ -69,3 +69,31 @@ def test_an_engine_whose_block_hashes_would_change_at_restart_is_refused(algo, e
     assert (problem is not None) == refused
     if refused:
         assert f"prefix_caching_hash_algo={algo}" in problem and "PYTHONHASHSEED" in problem
+
+
+@pytest.mark.parametrize("seed_env", [None, "1234"])
+def test_the_sidecar_names_blocks_from_token_ids_exactly_as_vllm_hashes_them(seed_env, monkeypatch):
+    """One key space: what a pin by token ids computes is the block hash vLLM gives the same tokens."""
+    pytest.importorskip("vllm")
+    import random
+
+    from kvpool_sidecar.errors import InvalidRequest
+    from kvpool_sidecar.keys import engine_block_hashes
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens, resolve_none_hash_seed
+
+    if seed_env is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed_env)
+    fn = get_hash_fn_by_name("sha256")
+    seed = resolve_none_hash_seed(fn)
+    rng = random.Random(7)
+    tokens = [rng.randrange(150_000) for _ in range(5 * 16 + 9)]
+    parent, want = BlockHash(fn(seed)), []
+    for i in range(5):
+        parent = hash_block_tokens(fn, parent, tokens[i * 16 : (i + 1) * 16], None)
+        want.append(bytes(parent))
+    assert engine_block_hashes(tokens, 16, "sha256", seed) == want  # the partial last block has none
+    with pytest.raises(InvalidRequest, match="'sha256_cbor': the sidecar computes only sha256"):
+        engine_block_hashes(tokens, 16, "sha256_cbor", seed)

@@ -36,7 +36,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
+    generate_block_hash_extra_keys,
+    hash_block_tokens,
+    resolve_none_hash_seed,
+    to_event_extra_keys,
+)
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvpool_sidecar import wire
@@ -113,8 +120,9 @@ class KVPoolConnector(KVConnectorBase_V1):
             log.warning("kvpool: kv_events is set but vLLM's KV events are off (--kv-events-config "
                         "enable_kv_cache_events): kvpool publishes none")
             publish = False
-        self._hello = wire.Hello(wire.PROTOCOL, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
-                                 session, self.model, self.settings.bearer(), publish)
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self._hello = wire.Hello(wire.PROTOCOL, "scheduler" if scheduler else "worker", session, self.model,
+                                 self.settings.bearer(), publish, _hashing(vllm_config) if scheduler else None)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._load_errors: set[int] = set()
@@ -268,6 +276,16 @@ class KVPoolConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.link.close()
+
+
+def _hashing(vllm_config: VllmConfig) -> wire.Hashing:
+    """How this engine hashes its blocks (vLLM's function and seed, and its own hash of a probe block), so
+    that the sidecar can name the engine's pages from token ids, and check that it does so right."""
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    fn = get_hash_fn_by_name(algo)
+    seed = resolve_none_hash_seed(fn)  # what vLLM's init_none_hash derives its NONE_HASH from
+    bs = vllm_config.cache_config.block_size
+    return wire.Hashing(algo, seed, bytes(hash_block_tokens(fn, BlockHash(fn(seed)), range(bs), None)))
 
 
 def _int_hash(h: bytes) -> int:

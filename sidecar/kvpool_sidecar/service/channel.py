@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import itertools
 import logging
 import os
@@ -48,7 +47,7 @@ from pydantic import ValidationError
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.config import AdapterClass
-from kvpool_sidecar.keys import DEFAULT_META, WorkloadMeta
+from kvpool_sidecar.keys import DEFAULT_META, WorkloadMeta, namespace, namespaced
 from kvpool_sidecar.pool import PoolError, PoolExhausted, UnknownSequence
 from kvpool_sidecar.service import models
 from kvpool_sidecar.service.credentials import Credentials, Principal
@@ -62,17 +61,6 @@ MAX_HANDSHAKES = 64  # connections not yet authenticated at once; more are close
 TAKEOVER_WAIT = 1.0  # seconds a hello naming a connected session waits for the old connection to end
 DEFAULT_QUARANTINE = wire.QUARANTINE_SECONDS
 ENGINE = Principal("engine")
-
-
-def namespace(model: str) -> bytes:
-    """The key namespace of a model identity (16 bytes)."""
-    return hashlib.blake2b(model.encode(), digest_size=16, person=b"kvpool-model").digest()
-
-
-def namespaced(ns: bytes, hashes: list[bytes]) -> list[bytes]:
-    """Each engine block hash made a pool key of model ``ns``: the namespace's 16 bytes and the hash (the
-    chain stays the engine's; a concatenation, not a second hash: it is on every admission's path)."""
-    return list(map(ns.__add__, hashes))
 
 
 class Session:
@@ -198,6 +186,9 @@ class EngineChannel:
                     return None
             if msg.events:
                 session.feed = self.sidecar.removals.follow(session.ns)
+            if msg.hashing is not None:
+                h = msg.hashing
+                self.sidecar.learn_engine_hashing(msg.model, h.algo, h.seed, h.probe)
             self.sessions[msg.session] = session
             self.sidecar.engine_fed = True
             self.sidecar.metrics.engine_sessions.set(len(self.sessions))

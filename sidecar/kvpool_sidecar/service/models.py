@@ -101,6 +101,9 @@ class PinRequest(_Wire):
     tokens: list[TokenId] = Field(default=None, min_length=1)  # type: ignore[assignment]
     block_hashes: list[BlockHash] = Field(default=None, min_length=1)  # type: ignore[assignment]
     seq_id: SeqId = None  # type: ignore[assignment]
+    # With tokens: the engine model whose pages to pin (its served name or path, or its full identity):
+    # the tokens are hashed as that engine hashes its blocks, so the pin holds what the engine looks up.
+    model: str = Field(default=None, min_length=1, max_length=4096)  # type: ignore[assignment]
     meta: Meta = Field(default_factory=Meta)
     ttl_seconds: Annotated[float, Field(gt=0, le=30 * 86400)] = None  # type: ignore[assignment]
 
@@ -109,6 +112,8 @@ class PinRequest(_Wire):
         given = sum(x is not None for x in (self.tokens, self.block_hashes, self.seq_id))
         if given != 1:
             raise ValueError("give exactly one of tokens, block_hashes or seq_id")
+        if self.model is not None and self.tokens is None:
+            raise ValueError("model names the engine whose key space the tokens are hashed in: give tokens with it")
         return self
 
 

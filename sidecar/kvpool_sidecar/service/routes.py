@@ -86,10 +86,14 @@ def pin_routes(sidecar: Sidecar, auth: Callable[..., Any]) -> APIRouter:
     async def pin(body: m.PinRequest, who: Principal = Depends(auth)) -> m.PinResponse:
         if body.seq_id is not None:
             sidecar.check_owner(who, body.seq_id)
-        record = await sidecar.run(
-            sidecar.pin, body.tokens, block_hashes=body.block_hashes, seq_id=body.seq_id,
-            meta=meta_for(who, body.meta), ttl=body.ttl_seconds, owner=who,
-        )
+        if body.model is not None:  # the engine's key space: pages a vLLM engine saved and will look up
+            record = await sidecar.run(sidecar.pin_engine_prompt, body.model, body.tokens, ttl=body.ttl_seconds,
+                                       owner=who)
+        else:
+            record = await sidecar.run(
+                sidecar.pin, body.tokens, block_hashes=body.block_hashes, seq_id=body.seq_id,
+                meta=meta_for(who, body.meta), ttl=body.ttl_seconds, owner=who,
+            )
         return m.PinResponse(pin_id=record.pin_id, pages=list(record.pages), expires_at=record.expires_at)
 
     @api.get("/v1/pins", response_model=m.PinList, dependencies=v1, tags=["pins"])
