@@ -205,8 +205,8 @@ def test_the_engine_survives_its_sidecar_and_its_own_crashes_and_never_loads_ano
                 assert time.monotonic() < deadline, "the engine never used the restarted sidecar"
                 assert load(server, prompts) == baseline
         finally:
-            crash_under_load(server, sidecar)  # kill 1
-        assert sidecar.metric("kvpool_engine_lapsed_sequences_total") > 0
+            crash_under_load(server, sidecar)  # kill 1 (its admissions are held only while their transfers
+            # run, so whether it dies holding one is a race here: kill 3 below makes sure it does)
         # The same folder, new weights of the same shape (a model updated in place), the sidecar live.
         build_tiny_model(tmp_path / "model-new", seed=1)
         for f in (tmp_path / "model-new").glob("*.safetensors"):
