@@ -19,10 +19,12 @@ The server runs as a module (the ``vllm`` console script does not start with vll
 load generator (``vllm.benchmarks.serve``).
 
 Figures per system and concurrency: requests/s, TTFT p50/p99, mean TPOT, the tokens the second tier
-served (vLLM's own ``external_prefix_cache_hits``), the sidecar's CPU seconds per request (its process's
-utime+stime over the run), the connector's lookup round trip p50/p99 (from the sidecar's histogram of
+served (vLLM's own ``external_prefix_cache_hits``), CPU milliseconds per request of the engine (vLLM's
+server and engine core: utime+stime of its process session over the run) and of the sidecar (its
+process), the connector's lookup round trip p50/p99 (from the sidecar's histogram of
 what the connector reported: bucket upper bounds), and how many generated texts equal vLLM alone's.
-Ratios are against vLLM alone in the same run.
+Ratios are against vLLM alone in the same round; with ``--rounds``, every other round runs the systems
+in reverse order.
 """
 
 from __future__ import annotations
@@ -81,6 +83,19 @@ def build_mid_model(folder: Path) -> tuple[Path, str]:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def session_cpu_seconds(sid: int) -> float:
+    """utime+stime of every live process in session ``sid`` (vLLM's server and its engine core)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def metric(text: str, name: str) -> float:
@@ -212,6 +227,7 @@ class Stack:
         self.log = open(work / f"vllm-{system}.log", "w")
         self.procs.append(subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                            start_new_session=True))
+        self.engine_sid = self.procs[-1].pid
         wait_http(self.url + "/health", deadline=300)
 
     def close(self) -> None:
@@ -263,10 +279,12 @@ def run_bench(stack: Stack, args: argparse.Namespace, model: Path, concurrency: 
     before = httpx.get(stack.url + "/metrics", timeout=10).text
     side_before = httpx.get(stack.sidecar_url + "/metrics", timeout=10).text if stack.sidecar_url else ""
     cpu0 = cpu_seconds(stack.sidecar_pid) if stack.sidecar_pid else 0.0
+    engine0 = session_cpu_seconds(stack.engine_sid)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}  # timed_trace seeds tokens by hash()
     env.pop("TRITON_INTERPRET", None)
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cpu1 = cpu_seconds(stack.sidecar_pid) if stack.sidecar_pid else 0.0
+    engine1 = session_cpu_seconds(stack.engine_sid)
     after = httpx.get(stack.url + "/metrics", timeout=10).text
     result = json.loads(out.read_text())
     hits = "vllm:external_prefix_cache_hits_total"
@@ -276,6 +294,7 @@ def run_bench(stack: Stack, args: argparse.Namespace, model: Path, concurrency: 
         "ttft_p99": result["p99_ttft_ms"], "tpot": result["mean_tpot_ms"], "completed": result["completed"],
         "external_tokens": external, "texts": result.get("generated_texts", []),
         "sidecar_cpu_ms": 1000 * (cpu1 - cpu0) / max(1, result["completed"]) if stack.sidecar_pid else None,
+        "engine_cpu_ms": 1000 * (engine1 - engine0) / max(1, result["completed"]),
         "rtt": None,
     }
     if stack.subscriber is not None:
@@ -329,7 +348,7 @@ def main() -> int:
     for rnd in range(args.rounds):
         rows: dict[tuple[str, int], dict] = {}
         runs.append(rows)
-        for system in systems:
+        for system in (systems if rnd % 2 == 0 else systems[::-1]):  # alternate who runs first
             sys_work = work / f"{system}-{rnd}"
             sys_work.mkdir()
             print(f"starting {system} (round {rnd + 1}) ...", flush=True)
@@ -347,7 +366,7 @@ def main() -> int:
           f"prompts, {what}, {args.output_len} out; vLLM's cache {args.gpu_blocks} blocks, second tier "
           f"{args.pool_pages} pages")
     print("| system | clients | req/s | x vLLM | TTFT p50 ms | TTFT p99 ms | TPOT ms | x vLLM | 2nd-tier tokens "
-          "| sidecar CPU ms/req | lookup RTT p50/p99 ms | same texts |")
+          "| CPU ms/req engine+sidecar | lookup RTT p50/p99 ms | same texts |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rnd, rows in enumerate(runs):
         if args.rounds > 1:
@@ -372,7 +391,8 @@ def print_rows(rows: dict[tuple[str, int], dict]) -> None:
             same = f"{sum(a == b for a, b in zip(r['texts'], base['texts'], strict=False))}/{len(base['texts'])}"
         ratio = f"{r['rps'] / base['rps']:.2f}" if base else "-"
         tpot = f"{r['tpot'] / base['tpot']:.2f}" if base and base["tpot"] else "-"
-        cpu = f"{r['sidecar_cpu_ms']:.2f}" if r["sidecar_cpu_ms"] is not None else "-"
+        side = r["sidecar_cpu_ms"] or 0.0
+        cpu = f"{r['engine_cpu_ms'] + side:.1f} ({r['engine_cpu_ms']:.1f}+{side:.1f})"
         rtt = "/".join(f"{1000 * v:.1f}" if v is not None else "-" for v in r["rtt"]) if r["rtt"] else "-"
         print(f"| {system} | {c} | {r['rps']:.2f} | {ratio} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | "
               f"{r['tpot']:.2f} | {tpot} | {int(r['external_tokens']):,} | {cpu} | {rtt} | {same} |")

@@ -34,16 +34,20 @@ DEV = Path(__file__).resolve().parents[2] / "dev"
 
 
 class Server:
-    def __init__(self, model: Path, sidecar: SidecarProcess, folder: Path, slow_saves: bool = False) -> None:
+    def __init__(self, model: Path, sidecar: SidecarProcess, folder: Path, slow_saves: bool = False,
+                 slow_loads: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         import json
 
         connector = connector_config(sidecar.socket)
         env = dict(os.environ)
-        if slow_saves:  # every save's copy held back 1 s before its first byte (dev/slow_copies.py)
-            connector.update(kv_connector="SlowSavesConnector", kv_connector_module_path="slow_copies")
+        if slow_saves or slow_loads:  # copies held back before their first byte (dev/slow_copies.py): every
+            # save's 1 s, or every layer of a step's loads 0.3 s
+            connector.update(kv_connector="SlowCopiesConnector", kv_connector_module_path="slow_copies")
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(DEV), env.get("PYTHONPATH")]))
+            env["KVPOOL_SLOW_SAVE_S"] = "1.0" if slow_saves else "0"
+            env["KVPOOL_SLOW_LOAD_S"] = "0.3" if slow_loads else "0"
         for k, v in engine_env().items():
             if v is None:
                 env.pop(k, None)
@@ -231,10 +235,15 @@ def test_the_engine_survives_its_sidecar_and_its_own_crashes_and_never_loads_ano
         lapsed = sidecar.metric("kvpool_engine_lapsed_sequences_total")
         in_flight = crash_under_load(server, sidecar)  # kill 3
         assert sidecar.metric("kvpool_engine_lapsed_sequences_total") > lapsed  # it died mid-transfer
-        server = Server(model, sidecar, tmp_path)
+        # The next server's loads are held back 0.3 s a layer: each attention layer must wait for its own
+        # rows (a forward that read its blocks before they were loaded would answer other tokens).
+        server = Server(model, sidecar, tmp_path, slow_loads=True)
         try:
             alone = [server.complete(p, salt="alone") for p in in_flight]
             assert all(alone) and [server.complete(p) for p in in_flight] == alone
+            loaded = sidecar.metric(LOADED)
+            assert [server.complete(p) for p in in_flight] == alone  # saved by the line above: loaded now
+            assert eventually(lambda: sidecar.metric(LOADED) >= loaded + len(in_flight) * 10 * BLOCK)
         finally:
             server.stop()
     finally:

@@ -347,6 +347,12 @@ def test_blocks_round_trip_through_pool_pages_bit_exact(layout):
         storage.close()
 
 
+def test_a_kernels_setting_that_cannot_run_on_the_engines_device_refuses_to_start():
+    layers = engine_layers(engine_kv(6, "cpu"), 6)  # a CPU engine: compiled Triton cannot run here
+    with pytest.raises(LayoutError, match="kernels 'triton' cannot run here: .*needs a CUDA device"):
+        PageCopier(layers, backend="triton")
+
+
 @pytest.mark.parametrize(("shape", "page_size", "message"), [
     (SHAPE, 8, "page size is 8 tokens, the engine's block_size 4"),
     (ModelShape(layers=3, kv_heads=1, head_dim=8, dtype="float32"), PS, "3 layers (--kv-shape), the engine 2"),
@@ -567,7 +573,7 @@ class GatedCopier:
 
     def __init__(self, copier: PageCopier) -> None:
         self.copier, self.gate, self.started = copier, threading.Event(), threading.Event()
-        self.load = copier.load
+        self.load, self.load_layer = copier.load, copier.load_layer
 
     def save(self, *args) -> None:
         self.started.set()
@@ -628,6 +634,93 @@ def test_a_step_returns_before_its_save_is_written_and_the_page_is_committed_onl
         side.link.close()
         worker.close()
     storage.close()
+
+
+class SlowLayerCopier:
+    """The worker's copier with one layer's loads held at a gate (or failing)."""
+
+    def __init__(self, copier: PageCopier, layer: int, fail: bool = False) -> None:
+        self.copier, self.layer, self.fail = copier, layer, fail
+        self.gate, self.started = threading.Event(), threading.Event()
+
+    def load_layer(self, kv: torch.Tensor, li: int, pages: list[int], blocks: list[int]) -> None:
+        if li == self.layer:
+            self.started.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+            if self.fail:
+                raise RuntimeError("a copy that failed")
+        self.copier.load_layer(kv, li, pages, blocks)
+
+
+def test_loads_run_layer_by_layer_and_each_layer_waits_only_for_its_own_rows():
+    """start_load_kv queues the step's loads and returns; an attention layer waits for its own layer's
+    rows only (layer 0 computes while layer 1 is still copying); a layer whose copy fails has its
+    blocks reported for recomputation, and nothing else of the step is lost."""
+    storage = KVStorage(SHAPE, PS, pages=8, shared=True, backend="torch")
+    g = torch.Generator().manual_seed(5)
+    storage.kv.copy_(torch.randn(storage.kv.shape, generator=g))
+    path = socket_path()
+    with live_sidecar(CONFIG, pages=8, storage=storage, engine_socket=path):
+        kv = {name: torch.zeros_like(t) for name, t in engine_kv(6, "cpu").items()}
+        worker = WorkerSide(welcome_of(path), engine_layers(kv, 6), PS)
+        worker.attach(strict=True)
+        slow = SlowLayerCopier(worker.copier, layer=1)
+        worker.copier = slow  # type: ignore[assignment]
+        started = time.monotonic()
+        worker.start_loads([LoadJob("r", storage.epoch, [6, 2], [0, 5])])
+        assert time.monotonic() - started < 1 and slow.started.wait(5)  # returned; layer 1 is copying
+        worker.wait_layer("layer.0")  # does not wait for layer 1
+        assert torch.equal(kv["layer.0"][0].flatten(), storage.kv[6, 0].flatten())
+        assert not kv["layer.1"].any()
+        waiting = threading.Thread(target=worker.wait_layer, args=("layer.1",))
+        waiting.start()
+        waiting.join(0.2)
+        assert waiting.is_alive()  # layer 1's attention is held until its rows are in
+        slow.gate.set()
+        waiting.join(5)
+        assert not waiting.is_alive() and worker.finish_loads() == set()
+        for li in range(2):
+            assert torch.equal(kv[f"layer.{li}"][5].flatten(), storage.kv[2, li].flatten())
+        assert worker.take_done().report.loaded_tokens == 2 * PS
+
+        worker.copier = failing = SlowLayerCopier(slow.copier, layer=1, fail=True)  # type: ignore[assignment]
+        failing.gate.set()
+        worker.start_loads([LoadJob("q", storage.epoch, [3], [4]), LoadJob("z", storage.epoch + 1, [1], [2])])
+        worker.wait_layer("layer.0")
+        assert worker.finish_loads() == {4, 2}  # both recomputed by the engine: a failed copy, a gone pool
+        assert worker.finish_loads() == set()  # reported once
+        worker.close()
+    storage.close()
+
+
+def test_the_gpu_transfer_path_moves_the_same_bytes_as_a_direct_copy():
+    """A GPU engine beside a host pool stages each layer's rows of the step's pages through one buffer
+    (gather, transfer, scatter); run here between two host tensors, it writes exactly what a direct row
+    copy writes, for a whole page row and for a tensor-parallel rank's share of it."""
+    storage = KVStorage(SHAPE, PS, pages=8, shared=True, backend="torch")
+    try:
+        for ranks, rank in ((1, 0), (2, 1)):
+            kv = engine_kv(6, "split")
+            if ranks > 1:  # each rank holds half of every block's row
+                kv = {n: t[..., : t.shape[-1] // 2].contiguous() for n, t in kv.items()}
+            layers = engine_layers(kv, 6)
+            copier = PageCopier(layers, backend="torch", rank=rank, ranks=ranks)
+            storage.kv.zero_()
+            copier.save(storage.kv, [4, 1, 3], [7, 2, 5])
+            direct = storage.kv.clone()
+            storage.kv.zero_()
+            copier._move = copier._device_to_host  # what a CUDA engine's save runs
+            copier.save(storage.kv, [4, 1, 3], [7, 2, 5])
+            assert torch.equal(storage.kv, direct)
+            for move in (PageCopier._move, PageCopier._host_to_device):  # a direct load, then a staged one
+                fresh = {name: torch.zeros_like(t) for name, t in kv.items()}
+                loader = PageCopier(engine_layers(fresh, 6), backend="torch", rank=rank, ranks=ranks)
+                loader._move = move.__get__(loader)
+                loader.load(storage.kv, [7, 2, 5], [0, 5, 1])
+                for name in kv:
+                    assert torch.equal(fresh[name][:, [0, 5, 1]], kv[name][:, [4, 1, 3]])
+    finally:
+        storage.close()
 
 
 def test_under_pressure_a_request_loads_its_hits_and_saves_what_fits():

@@ -7,7 +7,9 @@ An engine keeps one tensor per layer; its blocks are found along the dimension o
 * second (``[parts, num_blocks, ...]``, e.g. ``[2, blocks, block_size, kv_heads, head_dim]``, K and V
   apart): the page's layer row holds the parts one after the other.
 So a load or a save is a plain row copy (``storage`` kernels: Triton on CUDA, torch on CPU), and the
-bytes in the pool mean whatever the engine's attention backend reads. Other layouts are refused.
+bytes in the pool mean whatever the engine's attention backend reads. Other layouts are refused. A GPU
+engine beside the pool in host memory moves a layer's rows of all of a step's pages at once: gathered
+into a staging buffer on one side, one transfer, scattered on the other (the kernels' half on the device).
 
 Tensor parallelism: each of ``ranks`` workers holds its share of the KV heads, and a page holds every
 rank's share of its block: the page's row (per layer and part) is the ranks' rows one after the other,
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvpool_sidecar.engines.copies import host_staging
 from kvpool_sidecar.storage import reference
 from kvpool_sidecar.storage.backend import Backend, choose_backend
 from kvpool_sidecar.storage.tensors import ModelShape
@@ -95,7 +98,11 @@ class PageCopier:
         if ranks > 1 and backend not in (None, "torch"):
             raise LayoutError(f"kernels {backend!r} move whole page rows, and a tensor-parallel rank's share of a "
                               "row is a strided view: leave kernels unset (or 'torch') with tensor_parallel_size > 1")
-        if ranks == 1 and choose_backend(layers[0].rows.device, backend) is not Backend.TORCH:
+        try:
+            chosen = choose_backend(layers[0].rows.device, backend)
+        except ValueError as exc:
+            raise LayoutError(f"kernels {backend!r} cannot run here: {exc}") from None
+        if ranks == 1 and chosen is not Backend.TORCH:
             from kvpool_sidecar.storage import kernels
 
             self._kernels = kernels
@@ -118,15 +125,42 @@ class PageCopier:
     def _move(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor, dst_ids: torch.Tensor) -> None:
         if src.device == dst.device:
             self._kernels.move_rows(src, src_ids.to(src.device), dst, dst_ids.to(dst.device))
-        else:  # a pool in host shared memory beside an engine on a GPU: one gather, one transfer, one scatter
-            rows = src.index_select(0, src_ids.to(src.device)).to(dst.device)
-            dst.index_copy_(0, dst_ids.to(dst.device), rows)
+        elif src.device.type == "cpu":
+            self._host_to_device(src, src_ids, dst, dst_ids)
+        else:
+            self._device_to_host(src, src_ids, dst, dst_ids)
+
+    def _host_to_device(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
+                        dst_ids: torch.Tensor) -> None:
+        """Host pool rows -> device blocks: one gather into a staging buffer, one transfer, one scatter
+        (the storage kernels) on the device."""
+        staged = host_staging(len(src_ids), src.shape[1], src.dtype, dst.device.type == "cuda")
+        torch.index_select(src, 0, src_ids, out=staged)
+        rows = staged.to(dst.device, non_blocking=True)
+        order = torch.arange(len(src_ids), dtype=torch.int64, device=dst.device)
+        self._kernels.move_rows(rows, order, dst, dst_ids.to(dst.device))
+
+    def _device_to_host(self, src: torch.Tensor, src_ids: torch.Tensor, dst: torch.Tensor,
+                        dst_ids: torch.Tensor) -> None:
+        """Device blocks -> host pool rows: one gather on the device, one transfer into a staging buffer
+        (waited for), one scatter on the host."""
+        rows = torch.empty((len(src_ids), src.shape[1]), dtype=src.dtype, device=src.device)
+        order = torch.arange(len(src_ids), dtype=torch.int64, device=src.device)
+        self._kernels.move_rows(src, src_ids.to(src.device), rows, order)
+        staged = host_staging(len(src_ids), src.shape[1], src.dtype, src.device.type == "cuda")
+        staged.copy_(rows)  # not non_blocking: the host scatter below reads it
+        dst.index_copy_(0, dst_ids, staged)
+
+    def load_layer(self, pool_kv: torch.Tensor, li: int, pages: list[int], blocks: list[int]) -> None:
+        """Pool pages -> engine blocks, layer ``li``."""
+        layer = self.layers[li]
+        pool_ids, engine_ids = self._row_ids(pages, blocks, li, layer)
+        self._move(self._pool_rows(pool_kv, layer.parts), pool_ids, layer.rows, engine_ids)
 
     def load(self, pool_kv: torch.Tensor, pages: list[int], blocks: list[int]) -> None:
         """Pool pages -> engine blocks, every layer."""
-        for li, layer in enumerate(self.layers):
-            pool_ids, engine_ids = self._row_ids(pages, blocks, li, layer)
-            self._move(self._pool_rows(pool_kv, layer.parts), pool_ids, layer.rows, engine_ids)
+        for li in range(self.num_layers):
+            self.load_layer(pool_kv, li, pages, blocks)
 
     def save(self, pool_kv: torch.Tensor, blocks: list[int], pages: list[int]) -> None:
         """Engine blocks -> pool pages, every layer."""

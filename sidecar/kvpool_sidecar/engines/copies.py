@@ -1,12 +1,16 @@
-"""The worker's copy queue: a step's saves run off the forward path, one job at a time, in the order
-they were submitted (a CUDA stream's semantics), and each job's future completes when its bytes are in
-place.
+"""The worker's copy lanes: transfers run off the engine's forward thread, one job at a time per lane, in
+the order they were submitted (a CUDA stream's semantics), and each job's future completes when its
+bytes are in place. The worker keeps two lanes: the step's loads (layer by layer, waited for by each
+attention layer before it reads) and the saves (reported once written), so that a load never queues
+behind an earlier step's saves.
 
-On CPU one thread runs the jobs: torch's gathers and scatters release the GIL, so a save overlaps the
-engine's next step. On CUDA the same thread issues each job on a copy stream of its own, after an
+On CPU one thread runs a lane's jobs: torch's gathers and scatters release the GIL, so they overlap
+the engine's forward. On CUDA the same thread issues each job on a copy stream of its own, after an
 event recorded on the engine's stream when the job was submitted (the forward that wrote the blocks
-may still be running there), and waits for that stream before completing the future. The CUDA calls
-of the engine path are here and nowhere else.
+may still be running there), and waits for that stream before completing the future. The pool's host
+segment is registered with the device (``cudaHostRegister``) while a worker maps it, so transfers
+from and to it run as DMA, staged through page-locked buffers for the gathers. The CUDA calls of the
+engine path are here and nowhere else.
 """
 
 from __future__ import annotations
@@ -21,10 +25,10 @@ T = TypeVar("T")
 
 
 class CopyQueue:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, name: str = "kvpool-copy") -> None:
         self.cuda = device.type == "cuda"
         self._stream: Any = torch.cuda.Stream(device) if self.cuda else None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-copy")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Run ``job`` after every job submitted before it (and, on CUDA, after the work the engine has
@@ -47,3 +51,27 @@ class CopyQueue:
     def close(self) -> None:
         """Wait for every submitted job, then stop the thread."""
         self._thread.shutdown(wait=True)
+
+
+def register_host(memory: torch.Tensor, cuda: bool) -> Callable[[], None]:
+    """Register a mapped pool segment with the device (page-locked: the DMA engine reads and writes it
+    directly); returns what undoes it. A no-op without CUDA. A segment the driver refuses stays usable,
+    pageable (logged by the caller through the exception)."""
+    if not cuda:
+        return _nothing
+    cudart = torch.cuda.cudart()
+    ptr, size = memory.data_ptr(), memory.numel() * memory.element_size()
+    err = cudart.cudaHostRegister(ptr, size, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {size} bytes failed ({err})")
+    return lambda: cudart.cudaHostUnregister(ptr) and None
+
+
+def host_staging(rows: int, row_len: int, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
+    """A host buffer for one transfer's gathered rows: page-locked beside a CUDA engine (so the transfer
+    is asynchronous DMA; torch's host allocator caches these and keeps one alive until its copy is done)."""
+    return torch.empty((rows, row_len), dtype=dtype, pin_memory=cuda)
+
+
+def _nothing() -> None:
+    return None

@@ -125,7 +125,6 @@ class KVPoolConnector(KVConnectorBase_V1):
                                  self.settings.bearer(), publish, _hashing(vllm_config) if scheduler else None)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             link = SidecarLink(self.settings.socket, self._hello, timeout=self.settings.timeout_s,
                                events=EventLog() if publish else None)
@@ -239,10 +238,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVPoolMetadata) and self._worker is not None
         if meta.plan.loads:
-            self._load_errors |= self._worker.load(meta.plan.loads)
+            self._worker.start_loads(meta.plan.loads)  # queued layer by layer; each layer waits for its own
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are complete when start_load_kv returns
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
@@ -268,8 +268,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         return KVPoolWorkerMetadata(done) if done is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._worker.finish_loads() if self._worker is not None else set()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -17,7 +17,12 @@ Saves are asynchronous: ``save`` queues the step's copies (:mod:`.copies`: a thr
 on CUDA) and returns, so the engine's next step runs while they are written. A block being read by a
 queued save is the engine's until the save completes: a finished request's blocks are held through
 ``finished_sending`` (above); a preempted request's are freed at once, so ``preempted`` waits for its
-saves before the step that may reuse them. Loads feed the step's own forward and run on its thread.
+saves before the step that may reuse them.
+
+Loads feed the step's own forward: ``start_loads`` queues them layer by layer on a lane of their own
+(never behind the saves) and returns; each attention layer waits for its own layer's rows
+(``wait_layer``), so the copy of layer ``i + 1`` runs while layer ``i`` computes; ``finish_loads``
+waits for the rest and names the blocks that could not be loaded (the engine recomputes them).
 
 The worker talks to the sidecar only to fetch the pool's storage handle: at start, and after a restart
 on a thread of its own, never in the forward path (a job for a pool it has not mapped yet fails at
@@ -36,7 +41,7 @@ from typing import TypeVar
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import EngineLayer, LayoutError, PageCopier, check_compatible
-from kvpool_sidecar.engines.copies import CopyQueue
+from kvpool_sidecar.engines.copies import CopyQueue, register_host
 from kvpool_sidecar.engines.link import Backoff, Refused, SidecarDown
 from kvpool_sidecar.engines.scheduler import LoadJob, SaveJob, StepDone, StepPlan
 from kvpool_sidecar.storage import KVStorage, StaleHandle
@@ -44,6 +49,17 @@ from kvpool_sidecar.storage.tensors import AttachedKV
 
 log = logging.getLogger("kvpool.engine")
 _Job = TypeVar("_Job", LoadJob, SaveJob)
+
+
+@dataclass
+class _Loading:
+    """One step's loads from one pool, queued layer by layer."""
+
+    mapped: AttachedKV
+    jobs: int
+    pages: int
+    blocks: list[int]
+    layers: list[Future[None]]
 
 
 @dataclass
@@ -67,7 +83,13 @@ class WorkerSide:
         self.copier = PageCopier(layers, backend, rank, ranks)
         self.backoff = backoff or Backoff("sidecar (worker)")
         self.done = StepDone()  # what the next worker metadata carries
-        self.copies = CopyQueue(layers[0].rows.device)
+        self.copies = CopyQueue(layers[0].rows.device, "kvpool-save")
+        self.loads = CopyQueue(layers[0].rows.device, "kvpool-load")
+        self._layer_index = {layer.name: li for li, layer in enumerate(layers)}
+        self._loading: list[_Loading] = []  # the step's loads, queued
+        self._load_failed: set[int] = set()  # the step's blocks known failed before any copy
+        self._load_failures = 0  # ... and their jobs
+        self._unregister: dict[int, Callable[[], None]] = {}  # id(mapping) -> undo its device registration
         self._flights: deque[_Flight] = deque()  # saves queued, oldest first
         self._saved: set[str] = set()  # requests that had a save job (they finish through finished_sending)
         self._finishing: set[str] = set()  # of those, finished by the engine, a save still in flight
@@ -116,7 +138,19 @@ class WorkerSide:
             self._incompatible = str(exc)
             raise
         self._incompatible = None
-        return KVStorage.attach(welcome.storage)
+        mapped = KVStorage.attach(welcome.storage)
+        try:
+            self._unregister[id(mapped)] = register_host(mapped.kv, self.copies.cuda)
+        except RuntimeError as exc:  # still usable, from pageable memory
+            log.warning("kvpool: the pool stays pageable memory for this engine's copies: %s", exc)
+        return mapped
+
+    def _close(self, mapped: AttachedKV) -> None:
+        """Unmap a pool (after every copy that used it)."""
+        undo = self._unregister.pop(id(mapped), None)
+        if undo is not None:
+            undo()
+        mapped.close()
 
     def _mapping(self, epoch: int) -> AttachedKV | None:
         """A live mapping of the pool of ``epoch``, or None at once (that pool is gone, or not mapped yet:
@@ -126,7 +160,8 @@ class WorkerSide:
         if fresh is not None:  # swapped here, on the forward path's thread; queued saves may still use
             old, self._mapped = self._mapped, fresh  # the old one: it is closed after them, in the queue
             if old is not None:
-                self.copies.submit(old.close)
+                self.finish_loads_of(old)
+                self.copies.submit(lambda: self._close(old))
         mapped = self._mapped
         if mapped is not None and mapped.epoch == epoch:
             try:
@@ -151,39 +186,77 @@ class WorkerSide:
         with self._handoff:
             stale, self._fresh = self._fresh, fresh
         if stale is not None:  # never handed to the forward path
-            stale.close()
+            self._close(stale)
 
     # ------------------------------------------------------------------------------- moving
     def load(self, jobs: list[LoadJob]) -> set[int]:
-        """Copy every job's pages into its blocks, one gather and scatter per layer for all the step's
-        jobs of a pool; returns the blocks that could not be loaded."""
-        failed: set[int] = set()
-        loaded = 0
+        """Copy every job's pages into its blocks and wait; returns the blocks that could not be loaded."""
+        self.start_loads(jobs)
+        return self.finish_loads()
+
+    def start_loads(self, jobs: list[LoadJob]) -> None:
+        """Queue the step's loads on the load lane, layer by layer (one gather and scatter per layer for
+        all the step's jobs of a pool), and return."""
+        if self._loading or self._load_failed:  # a step whose loads nobody collected yet: kept for them
+            carried = self.finish_loads()
+            self._load_failed |= carried
+        for job in jobs:
+            if not job.valid:
+                self._load_failed.update(job.blocks)
+                self._load_failures += 1
         for epoch, group in _by_epoch([job for job in jobs if job.valid]).items():
             mapped = self._mapping(epoch)
             pages = [p for job in group for p in job.pages]
             blocks = [b for job in group for b in job.blocks]
             if mapped is None:
-                failed.update(blocks)
+                self._load_failed.update(blocks)
+                self._load_failures += len(group)
                 continue
-            try:
-                self.copier.load(mapped.kv, pages, blocks)
-                mapped.check()  # the pool closed meanwhile: what was read may be gone
-            except (StaleHandle, RuntimeError, IndexError) as exc:
-                log.warning("kvpool: loading %d pages for %d requests failed (%s): recomputing", len(pages),
-                            len(group), exc)
-                failed.update(blocks)
-                continue
-            loaded += len(pages) * self.block_size
-        for job in jobs:
-            if not job.valid:
-                failed.update(job.blocks)
-        failures = sum(1 for job in jobs if failed.intersection(job.blocks))
+            copy = self.copier.load_layer
+            layers = [self.loads.submit(lambda li=li, kv=mapped.kv, pg=pages, bl=blocks, c=copy: c(kv, li, pg, bl))
+                      for li in range(len(self.layers))]
+            self._loading.append(_Loading(mapped, len(group), len(pages), blocks, layers))
+
+    def wait_layer(self, name: str) -> None:
+        """Return once layer ``name``'s rows of the step's loads are in place (every layer's, for a name
+        the engine did not register)."""
+        li = self._layer_index.get(name)
+        for loading in self._loading:
+            for future in loading.layers if li is None else loading.layers[li : li + 1]:
+                future.exception()  # waits; a failure is reported by finish_loads
+
+    def finish_loads(self) -> set[int]:
+        """Wait for the step's loads; returns the blocks that could not be loaded (and reports them)."""
+        failed, self._load_failed = self._load_failed, set()
+        failures, self._load_failures = self._load_failures, 0
+        loaded = 0
+        for loading in self._loading:
+            errors = [exc for exc in (f.exception() for f in loading.layers) if exc is not None]
+            if not errors:
+                try:
+                    loading.mapped.check()  # the pool closed meanwhile: what was read may be gone
+                except StaleHandle as exc:
+                    errors.append(exc)
+            if errors:
+                log.warning("kvpool: loading %d pages for %d requests failed (%s): recomputing", loading.pages,
+                            loading.jobs, errors[0])
+                failed.update(loading.blocks)
+                failures += loading.jobs
+            else:
+                loaded += loading.pages * self.block_size
+        self._loading = []
         if self.counts_tokens:
             self.done.report.loaded_tokens += loaded
         if failures:
             self.done.report.fail("load", failures)
         return failed
+
+    def finish_loads_of(self, mapped: AttachedKV) -> None:
+        """Wait for the queued loads that read ``mapped`` (before it is closed)."""
+        for loading in self._loading:
+            if loading.mapped is mapped:
+                for future in loading.layers:
+                    future.exception()
 
     def save(self, plan: StepPlan) -> None:
         """Queue the step's save jobs: one gather and scatter per layer for all of them (per pool), run
@@ -267,10 +340,11 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
-        self.copies.close()  # the queued saves first: they use the mappings
+        self.loads.close()  # the queued copies first: they use the mappings
+        self.copies.close()
         for mapped in (self._mapped, self._fresh):
             if mapped is not None:
-                mapped.close()
+                self._close(mapped)
         self._mapped = self._fresh = None
 
 
