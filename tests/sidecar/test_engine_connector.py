@@ -103,17 +103,19 @@ def test_the_scheduler_plans_saves_commits_after_the_worker_reports_and_loads_th
         time.sleep(0.05)
         assert sidecar.pool.stats().cached_pages == 0  # nothing is visible before the worker's report
         side.worker_done(done(step1.step, step2.step))
-        assert side.finished("r1") is True  # it had saves: it finishes through finished_sending
-        side.sent({"r1"})
+        # Every save written and reported before it finished: the engine frees its blocks at once (not a
+        # step later through finished_sending), and the next plan tells the worker not to name it there.
+        assert side.finished("r1") is False
         # Second request: first 4 hashes; the engine's own cache holds one block.
         assert wait_for(side, "r2", hashes(4) + [b"x"], 22, PS, None) == 3 * PS
         side.allocated("r2", [7, 8, 9, 10, 11, 12], 3 * PS)
         step = side.plan([("r2", [7, 8, 9, 10, 11, 12], True, 4 * PS, 6)])
+        assert step.released == {"r1"}
         assert [(job.pages, job.blocks) for job in step.loads] == [(step1.saves[0].pages[1:] + step2.saves[0].pages[:1],
                                                                    [8, 9, 10])]
         assert [s.blocks for s in step.saves] == [[11]]  # the one block the pool lacks
+        assert side.finished("r2") is True  # its save is not reported yet: its blocks stay the engine's
         side.worker_done(done(step.step))
-        assert side.finished("r2") is True
         side.sent({"r2"})
         settle(link, sidecar)
         sidecar.pool.check_invariants()
@@ -151,8 +153,7 @@ def test_a_failed_save_is_never_committed_nor_anything_after_it():
         s1 = side.plan([("r", [1, 2, 3, 4, 5], True, 0, 8)])
         s2 = side.plan([("r", None, False, 8, 9)])
         side.worker_done(done(s1.step, s2.step, failed={(s1.step, "r")}))
-        assert side.finished("r") is True
-        side.sent({"r"})
+        assert side.finished("r") is False  # both steps reported (one failed): no copy reads its blocks
         settle(link, sidecar)
         assert wait_for(side, "again", hashes(4), 17, 0, None) == 0  # pages 1-2 unwritten: 3-4 unreachable
         side.finished("again")
@@ -242,6 +243,55 @@ def test_a_hung_sidecar_costs_each_request_at_most_lookup_wait(caplog):
         link.close(timeout=0.1)
     finally:
         hung.close()
+
+
+def test_a_busy_engine_waits_for_lookups_at_most_its_step_time_shared_by_the_requests_it_runs():
+    """Waiting stalls every running request, a deferred lookup costs only its own request a step: a step
+    that runs 10 requests every 10 ms waits at most 1 ms for its lookups (lookup_wait 20 ms); the
+    deferred request is answered in the next step; an idle engine waits the whole lookup_wait."""
+    from concurrent.futures import Future
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    now = [0.0]
+    waits: list[float] = []
+
+    class Answered(Future):  # answered by the sidecar 5 ms after it was asked
+        def __init__(self) -> None:
+            super().__init__()
+            self.at = now[0] + 0.005
+
+        def result(self, timeout=None):
+            waits.append(timeout)
+            if now[0] + timeout < self.at:
+                now[0] += timeout
+                raise FutureTimeout
+            now[0] = max(now[0], self.at)
+            return 0, wire.Admitted([7, 8, 9], 3 * PS, 1)
+
+    path = socket_path()
+    hung = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a live socket; the answers are the futures'
+    hung.bind(path)
+    hung.listen(64)
+    link = SidecarLink(path, hello(), timeout=5)
+    link.admit = lambda op: Answered()
+    side = SchedulerSide(link, PS, session="s", lookup_wait=0.02, clock=lambda: now[0])
+    assert side.step_budget() == 0.02  # nothing measured yet: an idle engine
+    running = [(f"run{i}", None, False, 0, 1) for i in range(10)]
+    for _ in range(5):
+        side.plan(running)
+        now[0] += 0.010
+    assert abs(side.step_budget() - 0.001) < 1e-9
+    assert side.matched_tokens("new", hashes(3), 13, 0, None) is None  # 1 ms waited, then the next step
+    assert len(waits) == 1 and abs(waits[0] - 0.001) < 1e-9
+    side.plan(running)
+    now[0] += 0.010
+    assert side.matched_tokens("new", hashes(3), 13, 0, None) == 3 * PS  # answered meanwhile
+    side.plan([])  # the engine went idle: nobody to stall
+    now[0] += 2.0
+    side.plan([])
+    assert side.step_budget() == 0.02
+    link.close(timeout=0.1)
+    hung.close()
 
 
 def test_an_unreachable_sidecar_costs_no_wait_and_is_retried_with_backoff(caplog):
@@ -409,7 +459,7 @@ def test_a_job_from_another_pool_epoch_or_a_lapsed_session_is_never_copied():
         worker.copies.submit(lambda: None).result()  # the queued saves are written
         report = worker.take_done()
         assert report.steps == {7: 1} and report.failed_saves == {(7, "r")}
-        assert worker.finished({"r", "q", "z"}) == {"r", "q"}  # the ones that had saves
+        assert worker.finished({"r", "q", "z"}, released={"q"}) == {"r"}  # had saves; q: freed at once
         worker.close()
     storage.close()  # attached in this same process: the tracker no longer holds the segment
 
@@ -523,8 +573,7 @@ def test_pool_pages_are_held_for_the_transfers_only_not_through_decode():
             assert side.plan([("r", None, False, 5 * PS + 1, 1)]).saves == []
         settle(side.link, sidecar, lambda sc: sc.pool.stats().sequences == 0 and sc.pool.stats().cached_pages == 5)
         sidecar.pool.check_invariants()
-        assert side.finished("r") is True  # it had saves: the engine's blocks come back through the worker
-        side.sent({"r"})  # nothing left to release
+        assert side.finished("r") is False  # its saves are all reported: the engine frees its blocks now
         # A request whose whole prompt is a hit: released once its load step is reported.
         assert wait_for(side, "h", hashes(5), 5 * PS + 1, 0, None) == 5 * PS
         side.allocated("h", list(range(20, 26)), 5 * PS)

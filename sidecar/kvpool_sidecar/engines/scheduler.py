@@ -24,7 +24,10 @@ Rules the engine sets:
 
 A lookup costs a scheduling step at most ``lookup_wait`` in all, and a request waits for its lookup at
 most ``lookup_wait`` from its first ask (then it is served without the pool): a sidecar that does not
-answer costs the engine a millisecond a step, never a timeout.
+answer costs the engine a millisecond a step, never a timeout. A step waits less when the engine is busy:
+waiting stalls every request the step runs, while a lookup not yet answered costs only its own request
+a step (it is asked again in the next one), so a step waits at most its recent duration divided by the
+requests it runs (:meth:`SchedulerSide.step_budget`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLi
 log = logging.getLogger("kvpool.engine")
 META_FIELDS = ("tenant", "workload_class", "request_type", "turn", "user")
 MAX_PENDING_STEPS = 1024  # steps whose worker report is awaited (an engine has a handful in flight)
+STEP_TIME_CAP = 1.0  # seconds: a gap between plans longer than this is an idle engine, not a step
 LATE_WARNING_EVERY = 60.0  # seconds: lookups past their budget are logged at most this often, with their count
 
 
@@ -71,6 +75,9 @@ class StepPlan:
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)  # requests whose blocks the engine freed this step
+    # Requests that had saves, all written and reported before they finished: the engine freed their
+    # blocks at once, so the worker does not name them in finished_sending.
+    released: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -151,10 +158,14 @@ class SchedulerSide:
         self._pending: dict[int, list[tuple[str, _Request, int | None]]] = {}
         # Requests that had a save job, as the worker saw them: they finish through finished_sending.
         self._saved: set[str] = set()
+        self._released: set[str] = set()  # of those, finished with every save reported: for the next plan
         self._done: dict[int, int] = {}  # ranks that reported each pending step so far
         self._failed: set[tuple[int, str]] = set()
         self._order: deque[int] = deque()
         self._late = 0  # lookups past their budget since the last warning of them
+        self._planned_at: float | None = None  # when the last step's plan was built
+        self._step_time: float | None = None  # the recent time between plans (moving average)
+        self._running = 0  # requests the last step ran
         self._late_warned_at: float | None = None
 
     # ------------------------------------------------------------------------------ lookups
@@ -175,7 +186,7 @@ class SchedulerSide:
         if req.future is not None:
             now = self.clock()
             if self._wait_until is None:
-                self._wait_until = now + self.lookup_wait
+                self._wait_until = now + self.step_budget()
             deadline = min(self._wait_until, req.asked_at + self.lookup_wait)
             try:
                 # Waiting (not polling) also lets the link's thread take the GIL from a busy engine loop.
@@ -238,6 +249,14 @@ class SchedulerSide:
             meta["adapter"] = adapter
         return meta
 
+    def step_budget(self) -> float:
+        """How long this step may wait for its lookups: ``lookup_wait``, and no more than the step's recent
+        duration divided by the requests it runs (waiting stalls each of them; a deferred lookup costs
+        only its own request a step). An idle engine stalls nobody: ``lookup_wait``."""
+        if not self._running or self._step_time is None:
+            return self.lookup_wait
+        return min(self.lookup_wait, self._step_time / self._running)
+
     def _warn_late(self, now: float) -> None:
         """One warning a minute at most for lookups that passed their budget (each is counted as a
         failed lookup): the sidecar answers, but too slowly for this engine's ``lookup_wait_ms``."""
@@ -278,7 +297,13 @@ class SchedulerSide:
         ``preempted``: the requests the engine preempted (their blocks may be reused in this step)."""
         self._wait_until = None  # the engine builds the plan once per step, after every lookup of it
         self._step += 1
-        plan = StepPlan(self._step, preempted=set(preempted or ()))
+        now = self.clock()
+        if self._planned_at is not None:
+            took = min(now - self._planned_at, STEP_TIME_CAP)
+            self._step_time = took if self._step_time is None else 0.8 * self._step_time + 0.2 * took
+        self._planned_at, self._running = now, len(scheduled)
+        plan = StepPlan(self._step, preempted=set(preempted or ()), released=self._released)
+        self._released = set()
         bs = self.block_size
         live = self.link.generation
         pending: list[tuple[str, _Request, int | None]] = []
@@ -356,11 +381,18 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------------------ the end
     def finished(self, req_id: str) -> bool:
-        """The engine is done with the request. True: it had saves, so it finishes through the worker's
-        ``finished_sending`` (and is released then, after its commits); False: released now."""
+        """The engine is done with the request. True: it has saves whose copies may still read its
+        blocks, so it finishes through the worker's ``finished_sending`` (and is released then, after its
+        commits); False: released now, and the engine frees its blocks at once (a request whose saves
+        were all written and reported, the common case, holds its blocks not a step longer than without
+        the tier)."""
         req = self._requests.pop(req_id, None)
         if req_id in self._saved:
             self._saved.discard(req_id)
+            if req is not None and req.in_flight == 0 and req.load is None:
+                self._released.add(req_id)  # the worker forgets it with the next plan
+                self._release(req)
+                return False
             self._finishing[req_id] = req
             return True
         if req is not None:

@@ -259,7 +259,9 @@ class KVPoolConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return self._worker.finished(finished_req_ids) or None, None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        released = meta.plan.released if isinstance(meta, KVPoolMetadata) else frozenset()
+        return self._worker.finished(finished_req_ids, released) or None, None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None:

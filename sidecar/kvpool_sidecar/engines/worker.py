@@ -325,10 +325,13 @@ class WorkerSide:
         done, self.done = self.done, StepDone()
         return done
 
-    def finished(self, finished_req_ids: set[str]) -> set[str]:
+    def finished(self, finished_req_ids: set[str], released: set[str] | frozenset[str] = frozenset()) -> set[str]:
         """Of the requests the engine says finished (now or before), those that had saves and whose saves
         are all written: they may be released (their saves are reported in the same output, by
-        :meth:`take_done`, which the engine calls after this)."""
+        :meth:`take_done`, which the engine calls after this). ``released``: requests the scheduler let
+        the engine free at once (every save reported before they finished), never named here."""
+        self._saved -= released
+        self._finishing -= released
         self._finishing |= self._saved & finished_req_ids
         self._saved -= finished_req_ids
         if not self._finishing:
