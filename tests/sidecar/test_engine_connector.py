@@ -422,6 +422,12 @@ def test_an_incompatible_pool_is_refused_at_start_up_naming_both_values(shape, p
         storage.close()
 
 
+def load(worker: WorkerSide, jobs: list[LoadJob]) -> set[int]:
+    """A step's loads, queued and waited for: the blocks that could not be loaded."""
+    worker.start_loads(jobs)
+    return worker.finish_loads()
+
+
 def welcome_of(path: str):
     return lambda: fetch_welcome(path, hello(role="worker"), 0.5)
 
@@ -446,11 +452,11 @@ def test_a_job_from_another_pool_epoch_or_a_lapsed_session_is_never_copied():
         before = {name: t.clone() for name, t in kv.items()}
         worker = WorkerSide(welcome_of(path), engine_layers(kv, 6), PS)
         worker.attach(strict=True)
-        failed = worker.load([LoadJob("r", storage.epoch + 1, [0, 1], [2, 3])])  # a pool that is gone
+        failed = load(worker, [LoadJob("r", storage.epoch + 1, [0, 1], [2, 3])])  # a pool that is gone
         assert failed == {2, 3}  # reported: the engine recomputes these blocks
-        assert worker.load([LoadJob("r", storage.epoch, [0, 1], [4, 5], valid=False)]) == {4, 5}
+        assert load(worker, [LoadJob("r", storage.epoch, [0, 1], [4, 5], valid=False)]) == {4, 5}
         assert all(torch.equal(kv[n], before[n]) for n in kv)
-        assert worker.load([LoadJob("r", storage.epoch, [0, 1], [2, 3])]) == set()
+        assert load(worker, [LoadJob("r", storage.epoch, [0, 1], [2, 3])]) == set()
         assert not kv["layer.0"][2].any()  # the pool's (zero) page was copied in
         # A save into a pool that is gone is reported failed with its step (the scheduler never commits it).
         from kvpool_sidecar.engines.scheduler import SaveJob
@@ -535,13 +541,13 @@ def test_the_forward_path_never_waits_for_a_remap():
         kv = engine_kv(6, "cpu")
         worker = WorkerSide(welcome, engine_layers(kv, 6), PS)
         worker.attach(strict=True)
-        assert worker.load([LoadJob("r", old.epoch, [0], [1])]) == set()
+        assert load(worker, [LoadJob("r", old.epoch, [0], [1])]) == set()
         current[0] = new  # the sidecar restarted: a new pool, a new epoch
-        assert worker.load([LoadJob("r", new.epoch, [0], [1])]) == {1}  # failed now, the engine recomputes
+        assert load(worker, [LoadJob("r", new.epoch, [0], [1])]) == {1}  # failed now, the engine recomputes
         assert not answering.is_set()  # ... while the remap still waits for the sidecar
         answering.set()
         deadline = time.monotonic() + 10
-        while worker.load([LoadJob("r", new.epoch, [0], [2])]):
+        while load(worker, [LoadJob("r", new.epoch, [0], [2])]):
             assert time.monotonic() < deadline, "the background remap never completed"
             time.sleep(0.01)
         worker.close()

@@ -64,7 +64,11 @@ def register_host(memory: torch.Tensor, cuda: bool) -> Callable[[], None]:
     err = cudart.cudaHostRegister(ptr, size, 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {size} bytes failed ({err})")
-    return lambda: cudart.cudaHostUnregister(ptr) and None
+
+    def unregister() -> None:
+        cudart.cudaHostUnregister(ptr)
+
+    return unregister
 
 
 def host_staging(rows: int, row_len: int, dtype: torch.dtype, cuda: bool) -> torch.Tensor:

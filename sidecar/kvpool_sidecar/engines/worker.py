@@ -160,7 +160,7 @@ class WorkerSide:
         if fresh is not None:  # swapped here, on the forward path's thread; queued saves may still use
             old, self._mapped = self._mapped, fresh  # the old one: it is closed after them, in the queue
             if old is not None:
-                self.finish_loads_of(old)
+                self._wait_loads(None)  # the queued loads read it too
                 self.copies.submit(lambda: self._close(old))
         mapped = self._mapped
         if mapped is not None and mapped.epoch == epoch:
@@ -189,11 +189,6 @@ class WorkerSide:
             self._close(stale)
 
     # ------------------------------------------------------------------------------- moving
-    def load(self, jobs: list[LoadJob]) -> set[int]:
-        """Copy every job's pages into its blocks and wait; returns the blocks that could not be loaded."""
-        self.start_loads(jobs)
-        return self.finish_loads()
-
     def start_loads(self, jobs: list[LoadJob]) -> None:
         """Queue the step's loads on the load lane, layer by layer (one gather and scatter per layer for
         all the step's jobs of a pool), and return."""
@@ -220,10 +215,14 @@ class WorkerSide:
     def wait_layer(self, name: str) -> None:
         """Return once layer ``name``'s rows of the step's loads are in place (every layer's, for a name
         the engine did not register)."""
-        li = self._layer_index.get(name)
+        self._wait_loads(self._layer_index.get(name))
+
+    def _wait_loads(self, li: int | None) -> None:
+        """Until the queued loads of layer ``li`` (of every layer: None) are done; failures are reported
+        by :meth:`finish_loads`."""
         for loading in self._loading:
             for future in loading.layers if li is None else loading.layers[li : li + 1]:
-                future.exception()  # waits; a failure is reported by finish_loads
+                future.exception()
 
     def finish_loads(self) -> set[int]:
         """Wait for the step's loads; returns the blocks that could not be loaded (and reports them)."""
@@ -250,13 +249,6 @@ class WorkerSide:
         if failures:
             self.done.report.fail("load", failures)
         return failed
-
-    def finish_loads_of(self, mapped: AttachedKV) -> None:
-        """Wait for the queued loads that read ``mapped`` (before it is closed)."""
-        for loading in self._loading:
-            if loading.mapped is mapped:
-                for future in loading.layers:
-                    future.exception()
 
     def save(self, plan: StepPlan) -> None:
         """Queue the step's save jobs: one gather and scatter per layer for all of them (per pool), run
