@@ -76,6 +76,15 @@ STATUS_SCHEMA: dict[str, Any] = {
         "configMap": {"type": "string"},
         "targetPods": {"type": "integer"},
         "syncedPods": {"type": "integer"},
+        "prompts": {
+            "type": "array",
+            "description": "each of pinning.prompts and the target pods that hold all of it pinned",
+            "items": {
+                "type": "object",
+                "required": ["name", "pinnedPods"],
+                "properties": {"name": {"type": "string"}, "pinnedPods": {"type": "integer"}},
+            },
+        },
         "conditions": {
             "type": "array",
             "items": {

@@ -15,11 +15,19 @@ from typing import Any
 import kopf
 import kubernetes
 from kubernetes.client.rest import ApiException
-from kvpool_sidecar.config import API_GROUP, API_VERSION, ConfigError, LabelSelector, validate_spec
+from kvpool_sidecar.config import API_GROUP, API_VERSION, ConfigError, KVCachePolicySpec, LabelSelector, validate_spec
 
 from kvpool_operator.crd import PLURAL
 from kvpool_operator.render import configmap_name, needs_update, render_configmap
-from kvpool_operator.status import PolicyRef, build_status, config_hash_from_metrics, conflicting_policy, target_pods
+from kvpool_operator.status import (
+    PolicyRef,
+    build_status,
+    config_hash_from_metrics,
+    conflicting_policy,
+    prompt_status,
+    prompts_pinned_from_metrics,
+    target_pods,
+)
 
 METRICS_PORT = 9400
 METRICS_TIMEOUT = 1.0
@@ -63,15 +71,16 @@ def _policies(namespace: str) -> list[PolicyRef]:
     return refs
 
 
-def _sidecar_hash(pod: dict[str, Any]) -> str | None:
+def _sidecar_metrics(pod: dict[str, Any]) -> str:
+    """A pod's sidecar /metrics ("" when unreachable)."""
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
-        return None
+        return ""
     try:
         with urllib.request.urlopen(f"http://{ip}:{METRICS_PORT}/metrics", timeout=METRICS_TIMEOUT) as r:
-            return config_hash_from_metrics(r.read().decode())
+            return r.read().decode()
     except OSError:
-        return None
+        return ""
 
 
 def _apply_configmap(desired: dict[str, Any]) -> None:
@@ -128,23 +137,27 @@ def _write_unless_superseded(name: str, namespace: str, meta: kopf.Meta, policy:
     desired = render_configmap(name, namespace, generation, policy, owner_uid=meta.get("uid"))
     _apply_configmap(desired)
     digest = desired["metadata"]["annotations"][f"{API_GROUP}/config-hash"]
-    return _observe(name, namespace, meta, policy.selector, generation, digest, previous)
+    return _observe(name, namespace, meta, policy, generation, digest, previous)
 
 
 def _in_conflict(status: dict[str, Any]) -> bool:
     return any(c.get("type") == "Conflict" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
-def _observe(name: str, namespace: str, meta: kopf.Meta, selector: LabelSelector, generation: int, digest: str,
+def _observe(name: str, namespace: str, meta: kopf.Meta, policy: KVCachePolicySpec, generation: int, digest: str,
              previous: dict[str, Any]) -> dict[str, Any]:
+    selector = policy.selector
+    prompt_names = [prompt.name for prompt in policy.pinning.prompts]
     pods = _pods(namespace)
     targets = target_pods(selector, pods)
     me = PolicyRef(name, meta.get("creationTimestamp") or "", selector)
     conflict = conflicting_policy(me, _policies(namespace), pods)
-    synced = sum(1 for pod in targets if _sidecar_hash(pod) == digest)
+    texts = [_sidecar_metrics(pod) for pod in targets]
+    synced = [text for text in texts if config_hash_from_metrics(text) == digest]
     return build_status(
         generation=generation, config_hash=digest, configmap=configmap_name(name), valid=(True, "Validated", "ok"),
-        conflict=conflict, targets=len(targets), synced=synced, previous=previous,
+        conflict=conflict, targets=len(targets), synced=len(synced), previous=previous,
+        prompts=prompt_status(prompt_names, [prompts_pinned_from_metrics(text) for text in synced]),
     )
 
 
@@ -168,7 +181,7 @@ def resync(spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, nam
         policy = validate_spec(dict(spec))
     except ConfigError:
         return
-    patch.status.update(_observe(name, namespace, meta, policy.selector, int(meta.get("generation") or 0), digest,
+    patch.status.update(_observe(name, namespace, meta, policy, int(meta.get("generation") or 0), digest,
                                  previous))
 
 

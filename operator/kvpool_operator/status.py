@@ -63,9 +63,32 @@ def config_hash_from_metrics(text: str) -> str | None:
     return match.group(1) if match else None
 
 
+_PROMPT_METRIC = re.compile(
+    r'^kvpool_named_prompt_pages\{(?=[^}]*kind="(pinned|total)")(?=[^}]*prompt="([^"]+)")[^}]*\}\s+(\S+)\s*$',
+    re.MULTILINE)
+
+
+def prompts_pinned_from_metrics(text: str) -> set[str]:
+    """The named prompts a sidecar holds wholly pinned, from its /metrics
+    (``kvpool_named_prompt_pages{prompt=...,kind=pinned|total}``)."""
+    pages: dict[str, dict[str, float]] = {}
+    for kind, name, value in _PROMPT_METRIC.findall(text):
+        try:
+            pages.setdefault(name, {})[kind] = float(value)
+        except ValueError:
+            continue
+    return {name for name, v in pages.items() if 0 < v.get("total", 0) <= v.get("pinned", -1)}
+
+
+def prompt_status(names: list[str], pinned_by_pod: list[set[str]]) -> list[dict[str, Any]]:
+    """Each named prompt and the pods (of those read) that hold all of it pinned."""
+    return [{"name": name, "pinnedPods": sum(name in pod for pod in pinned_by_pod)} for name in names]
+
+
 def build_status(
     *, generation: int, config_hash: str | None, configmap: str | None, valid: tuple[bool, str, str],
     conflict: PolicyRef | None, targets: int, synced: int, previous: dict[str, Any] | None = None,
+    prompts: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     prev = (previous or {}).get("conditions") or []
     ok, reason, message = valid
@@ -86,4 +109,6 @@ def build_status(
         status["configHash"] = config_hash
     if configmap:
         status["configMap"] = configmap
+    if prompts is not None:
+        status["prompts"] = prompts
     return status

@@ -6,7 +6,6 @@ policy is an error that names the field, not a silently ignored setting. Plain P
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import re
@@ -14,7 +13,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from kvpool_sidecar.fields import (  # ConfigError, LabelSelector and parse_duration: part of this contract too
+    MAX_POLICY_NAME,
+    POLICY_NAME,
+    ClockTime,
+    ConfigError,
+    Duration,
+    LabelSelector,
+    StrictModel,
+    minute_of_day,
+    parse_duration,
+)
 
 API_GROUP = "kvpool.dev"
 API_VERSION = "v1alpha1"
@@ -23,127 +34,10 @@ KIND = "KVCachePolicy"
 EvictionPolicyName = Literal[
     "lru", "fifo", "lfu", "s3fifo", "workload_adaptive"
 ]
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
-DURATION_PATTERN = r"^(\d+(\.\d+)?(ms|s|m|h))+$"
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+__all__ = ["ConfigError", "LabelSelector", "parse_duration"]  # re-exported: what the contract's users import
 
 
-@functools.lru_cache(maxsize=256)  # windows are read per admission: a config holds a few durations
-def parse_duration(text: str) -> float:
-    """Seconds in a Kubernetes-style duration such as ``10s``, ``10m``, ``1h30m`` or ``168h``."""
-    if not re.fullmatch(DURATION_PATTERN, text):
-        raise ValueError(f"{text!r} is not a duration: use a number with a unit ms, s, m or h, e.g. 10m")
-    return sum(float(num) * _UNIT_SECONDS[unit] for num, unit in _DURATION_PART.findall(text))
-
-
-def _positive_duration(text: str) -> str:
-    if parse_duration(text) <= 0:
-        raise ValueError(f"{text!r} must be longer than 0")
-    return text
-
-
-Duration = Annotated[str, Field(pattern=DURATION_PATTERN), AfterValidator(_positive_duration)]
-_LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
-_DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-LABEL_KEY = re.compile(rf"^({_DNS_SUBDOMAIN}/)?{_LABEL_NAME}$")
-LABEL_VALUE = re.compile(rf"^({_LABEL_NAME})?$")
-POLICY_NAME = re.compile(rf"^{_DNS_SUBDOMAIN}$")
-MAX_POLICY_NAME = 253 - len("kvpool-")  # the ConfigMap kvpool-<name> is a DNS subdomain too
-
-
-def _label_key(key: str) -> str:
-    prefix, _, _ = key.rpartition("/")
-    if not LABEL_KEY.match(key) or len(prefix) > 253:
-        raise ValueError(f"{key!r} is not a label key (an optional DNS prefix and '/', then 1-63 characters "
-                         "of letters, digits, '-', '_' or '.', starting and ending with a letter or digit)")
-    return key
-
-
-def _label_value(value: str) -> str:
-    if not LABEL_VALUE.match(value):
-        raise ValueError(f"{value!r} is not a label value (at most 63 letters, digits, '-', '_' or '.', "
-                         "starting and ending with a letter or digit)")
-    return value
-
-
-LabelKey = Annotated[str, Field(min_length=1, pattern=LABEL_KEY.pattern), AfterValidator(_label_key)]
-LabelValue = Annotated[str, Field(pattern=LABEL_VALUE.pattern), AfterValidator(_label_value)]
-
-
-class ConfigError(ValueError):
-    """A policy or config that breaks a rule; ``field`` is the dotted path of the offending field."""
-
-    def __init__(self, field: str, rule: str) -> None:
-        super().__init__(f"{field}: {rule}" if field else rule)
-        self.field = field
-        self.rule = rule
-
-
-class _Model(BaseModel):
-    # Strict: `pageSize: true` is not 1 and "5" is not a number (YAML gives ints and floats their types).
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True, strict=True)
-
-
-
-MAX_SELECTOR_ITEMS = 64  # labels, expressions or values in one selector: far past any real one, yet bounded
-
-
-class LabelSelectorRequirement(_Model):
-    key: LabelKey
-    operator: Literal["In", "NotIn", "Exists", "DoesNotExist"]
-    values: list[LabelValue] = Field(default_factory=list, max_length=MAX_SELECTOR_ITEMS)
-
-    @model_validator(mode="after")
-    def _values_fit_the_operator(self) -> LabelSelectorRequirement:
-        if self.operator in ("In", "NotIn") and not self.values:
-            raise ValueError(f"operator {self.operator} needs at least one value")
-        if self.operator in ("Exists", "DoesNotExist") and self.values:
-            raise ValueError(f"operator {self.operator} takes no values")
-        return self
-
-
-class LabelSelector(_Model):
-    matchLabels: dict[str, str] = Field(default_factory=dict, max_length=MAX_SELECTOR_ITEMS)
-
-    @field_validator("matchLabels")
-    @classmethod
-    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
-        # Checked here, not typed: a Kubernetes structural schema has no patternProperties.
-        for key, value in labels.items():
-            _label_key(key)
-            _label_value(value)
-        return labels
-    matchExpressions: list[LabelSelectorRequirement] = Field(default_factory=list, max_length=MAX_SELECTOR_ITEMS)
-
-    def to_query(self) -> str:
-        """The selector as the API server's ``labelSelector`` query string."""
-        parts = [f"{k}={v}" for k, v in sorted(self.matchLabels.items())]
-        for req in self.matchExpressions:
-            if req.operator in ("In", "NotIn"):
-                parts.append(f"{req.key} {req.operator.lower()} ({','.join(req.values)})")
-            else:
-                parts.append(req.key if req.operator == "Exists" else f"!{req.key}")
-        return ",".join(parts)
-
-    def matches(self, labels: dict[str, str]) -> bool:
-        """Kubernetes label-selector semantics; an empty selector matches every pod."""
-        if any(labels.get(k) != v for k, v in self.matchLabels.items()):
-            return False
-        for req in self.matchExpressions:
-            present = req.key in labels
-            if req.operator == "In" and (not present or labels[req.key] not in req.values):
-                return False
-            if req.operator == "NotIn" and present and labels[req.key] in req.values:
-                return False
-            if req.operator == "Exists" and not present:
-                return False
-            if req.operator == "DoesNotExist" and present:
-                return False
-        return True
-
-
-class Weights(_Model):
+class Weights(StrictModel):
     """Score = reuse * P_reuse + locality * S_locality + timeWindow * T_window."""
 
     reuse: float = Field(default=0.6, ge=0, le=1, description="alpha: weight of the reuse probability")
@@ -166,7 +60,7 @@ DEFAULT_REUSE_WEIGHTS = (0.0, 0.008, 0.03, 0.06, 0.12, 0.24)
 DEFAULT_TO_B_REUSE_WEIGHTS = (0.0, 0.01, 0.03, 0.1, 0.2, 0.3)
 
 
-class SelfTuning(_Model):
+class SelfTuning(StrictModel):
     """Online choice of the reuse weight of workload_adaptive: sampled shadow caches replay the request stream under each candidate, and the live policy follows the best, with hysteresis."""  # noqa: E501 (one line: the CRD's description)
 
     enabled: bool = Field(default=True, description="off: the configured weights are used as they are")
@@ -200,13 +94,13 @@ class SelfTuning(_Model):
         return list(DEFAULT_TO_B_REUSE_WEIGHTS if to_b else DEFAULT_REUSE_WEIGHTS)
 
 
-class Eviction(_Model):
+class Eviction(StrictModel):
     policy: EvictionPolicyName = "workload_adaptive"
     weights: Weights = Field(default_factory=Weights)
     selfTuning: SelfTuning = Field(default_factory=SelfTuning)
 
 
-class ToCWorkload(_Model):
+class ToCWorkload(StrictModel):
     timeWindow: Duration = Field(default="10m", description="reuse window")
     decayPerMinute: float = Field(default=0.15, gt=0, le=600, description="prior reuse decay rate")
 
@@ -215,13 +109,48 @@ class ToCWorkload(_Model):
         return parse_duration(self.timeWindow)
 
 
+class ShareWindow(StrictModel):
+    """A daily window (UTC) in which to-B's share of the pool is another: business hours of a to-B
+    tenant, a nightly batch. It starts at ``start`` and ends before ``end``; one that ends at or
+    before its start runs past midnight."""
+
+    start: ClockTime = Field(description="HH:MM (UTC) the window starts, inclusive")
+    end: ClockTime = Field(description="HH:MM (UTC) the window ends, exclusive")
+    isolationPercent: float = Field(ge=0, le=100, description="to-B's share of pages in the window")
+
+    def minutes(self) -> set[int]:
+        """The minutes of the day (0-1439) the window covers."""
+        a, b = minute_of_day(self.start), minute_of_day(self.end)
+        return set(range(a, b)) if a < b else set(range(a, 1440)) | set(range(0, b))
+
+
 class ToBWorkload(ToCWorkload):
     timeWindow: Duration = Field(default="10s", description="reuse window")
     decayPerMinute: float = Field(default=6.0, gt=0, le=600, description="prior reuse decay rate")
     isolationPercent: float = Field(default=30, ge=0, le=100, description="share of pages for to-B")
+    schedule: list[ShareWindow] = Field(default_factory=list, max_length=48, description=(
+        "daily windows (UTC) with another to-B share; outside them isolationPercent holds"))
+
+    @field_validator("schedule")
+    @classmethod
+    def _no_overlap(cls, windows: list[ShareWindow]) -> list[ShareWindow]:
+        seen: set[int] = set()
+        for i, window in enumerate(windows):
+            mine = window.minutes()
+            if seen & mine:
+                raise ValueError(f"window {i} ({window.start}-{window.end}) overlaps an earlier one")
+            seen |= mine
+        return windows
+
+    def isolation_at(self, minute_of_day: int) -> float:
+        """To-B's share in force at a minute of the day (UTC): the one rule the schedule is read by."""
+        for window in self.schedule:
+            if minute_of_day in window.minutes():
+                return window.isolationPercent
+        return self.isolationPercent
 
 
-class AdapterClass(_Model):
+class AdapterClass(StrictModel):
     adapter: str = Field(min_length=1, max_length=128, description=(
         "a LoRA adapter's name as the engine serves it (vLLM's --lora-modules name)"))
     tenant: str | None = Field(default=None, min_length=1, max_length=256, description=(
@@ -236,7 +165,7 @@ class AdapterClass(_Model):
         return self
 
 
-class Workloads(_Model):
+class Workloads(StrictModel):
     toC: ToCWorkload = Field(default_factory=ToCWorkload)
     toB: ToBWorkload = Field(default_factory=ToBWorkload)
     adapters: list[AdapterClass] = Field(default_factory=list, max_length=1024, description=(
@@ -267,19 +196,49 @@ class Workloads(_Model):
 # (its reuse is measured). A prompt of at least minPromptTokens is pinned for its length alone, nothing
 # measured: unset by default, since on the shipped traces and held-out synth profiles it serves no more
 # tokens than no auto-pin, and on to-B bursts half as many (bench/measurements/autopin.py, docs/decisions.md).
-class AutoPin(_Model):
+class AutoPin(StrictModel):
     enabled: bool = True
     minPromptTokens: int | None = Field(default=None, ge=1, description=(
         "auto-pin every prompt at least this long, whether or not it comes back (unset: none)"))
     minPrefixQPS: float = Field(default=100, gt=0, description="auto-pin prefixes hotter than this")
 
 
-class Pinning(_Model):
+MAX_PROMPT_TOKENS = 65_536  # token ids of all named prompts together: a ConfigMap holds 1 MiB
+
+
+class PinnedPrompt(StrictModel):
+    """A prompt the pool keeps resident (a system prompt, a shared document), named by its token ids
+    as the engine sees them (vLLM's ``/tokenize`` gives them, chat template included). The sidecar
+    pins its pages in the engine's key space once an engine serving ``model`` has saved them."""
+
+    name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+                      description="what status and metrics call it")
+    model: str = Field(min_length=1, max_length=4096, description=(
+        "the served model name (or path) of the engines that look it up"))
+    tokens: list[Annotated[int, Field(ge=0, lt=2**63)]] = Field(min_length=1, description=(
+        "its token ids; only its full pages are pinned"))
+
+
+class Pinning(StrictModel):
     quotaPercent: float = Field(default=30, ge=0, le=100, description="most pages that may be pinned")
     autoPin: AutoPin = Field(default_factory=AutoPin)
+    prompts: list[PinnedPrompt] = Field(default_factory=list, max_length=64, description=(
+        "prompts kept resident, counted against quotaPercent"))
+
+    @field_validator("prompts")
+    @classmethod
+    def _named_once_and_small(cls, prompts: list[PinnedPrompt]) -> list[PinnedPrompt]:
+        names = [p.name for p in prompts]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"prompt {twice[0]!r} is named twice")
+        total = sum(len(p.tokens) for p in prompts)
+        if total > MAX_PROMPT_TOKENS:
+            raise ValueError(f"{total} token ids in all: at most {MAX_PROMPT_TOKENS} (a ConfigMap holds 1 MiB)")
+        return prompts
 
 
-class Tenancy(_Model):
+class Tenancy(StrictModel):
     isolation: Literal["perTenant", "none"] = "perTenant"
     sharedPrefixes: list[str] = Field(
         default_factory=list, max_length=1024,
@@ -295,7 +254,7 @@ class Tenancy(_Model):
         return values
 
 
-class Learning(_Model):
+class Learning(StrictModel):
     classBy: list[Literal["requestType", "turn"]] = Field(
         default_factory=lambda: ["turn"],
         description="what splits a workload class into statistics classes (empty: one fit per workload class)",
@@ -306,12 +265,12 @@ class Learning(_Model):
     refitOnDrift: bool = True
 
 
-class PreEviction(_Model):
+class PreEviction(StrictModel):
     enabled: bool = True
     lowWatermarkPercent: float = Field(default=10, ge=0, le=100, description="free pages kept by idle eviction")
 
 
-class Routing(_Model):
+class Routing(StrictModel):
     """How a router in front of the policy's pods sends each request to the pod holding its prefix."""
 
     prefixPages: int = Field(
@@ -343,7 +302,7 @@ class Routing(_Model):
         return parse_duration(self.loadWindow)
 
 
-class KVCachePolicySpec(_Model):
+class KVCachePolicySpec(StrictModel):
     selector: LabelSelector = Field(default_factory=LabelSelector)
     pageSize: int = Field(default=16, ge=1, le=4096, description="tokens per page")
     eviction: Eviction = Field(default_factory=Eviction)
@@ -360,10 +319,26 @@ class KVCachePolicySpec(_Model):
             raise ValueError(
                 "workloads.toB.isolationPercent + pinning.quotaPercent must not exceed 100"
             )
+        for i, window in enumerate(self.workloads.toB.schedule):
+            if window.isolationPercent + self.pinning.quotaPercent > 100:
+                raise ValueError(f"workloads.toB.schedule[{i}].isolationPercent + pinning.quotaPercent must not "
+                                 "exceed 100")
+        for prompt in self.pinning.prompts:
+            if len(prompt.tokens) < self.pageSize:
+                raise ValueError(f"pinning.prompts {prompt.name!r}: {len(prompt.tokens)} tokens fill no page of "
+                                 f"{self.pageSize} (pageSize): nothing to pin")
         return self
 
+    def at(self, minute_of_day: int) -> KVCachePolicySpec:
+        """This spec with the to-B share its schedule sets at a minute of the day (UTC)."""
+        share = self.workloads.toB.isolation_at(minute_of_day)
+        if share == self.workloads.toB.isolationPercent:
+            return self
+        to_b = self.workloads.toB.model_copy(update={"isolationPercent": share})
+        return self.model_copy(update={"workloads": self.workloads.model_copy(update={"toB": to_b})})
 
-class PolicySource(_Model):
+
+class PolicySource(StrictModel):
     """Where a rendered config came from; written by the operator beside the spec."""
 
     name: str = ""

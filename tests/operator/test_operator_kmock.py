@@ -186,6 +186,28 @@ def test_end_to_end_policy_patch_reaches_a_running_sidecar(cluster, tmp_path):
             wait_for(lambda: c.config()["config"]["eviction"]["weights"]["reuse"] == 0.9)
             assert c.config()["generation"] == 2
             assert c.stats()["cached_pages"] == cached and c.lookup(list(range(64))) == 64
+            # A named prompt and a to-B window open all day reach the running sidecar the same way.
+            window = {"start": "00:00", "end": "00:00", "isolationPercent": 40}
+            prompt = {"name": "system", "model": "org/served", "tokens": list(range(64))}
+            api.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "e2e", {"spec": {
+                "workloads": {"toB": {"schedule": [window]}}, "pinning": {"prompts": [prompt]}}})
+            wait_for(lambda: "system" in core.read_namespaced_config_map("kvpool-e2e", NS).data["config.yaml"])
+            kubelet_projection(tmp_path, core.read_namespaced_config_map("kvpool-e2e", NS).data["config.yaml"], 3)
+            wait_for(lambda: c.config()["generation"] == 3)
+            view = c.config()
+            assert view["to_b_share_percent"] == 40 and c.stats()["partitions"]["toB"]["capacity"] == 204
+            assert view["prompts"][0]["name"] == "system" and view["prompts"][0]["pinned"] == 0
+            wait_for(lambda: "org/served" in (c.config()["prompts"][0]["problem"] or ""))  # no engine of it yet
+            # Prompts past the pin quota of this pool (30 % of 512 pages): the sidecar refuses the config,
+            # naming the field, and keeps the one in force.
+            big = {**prompt, "tokens": list(range(16 * 154))}
+            api.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "e2e", {"spec": {"pinning": {
+                "prompts": [big]}}})
+            wait_for(lambda: "2463" in core.read_namespaced_config_map("kvpool-e2e", NS).data["config.yaml"])
+            kubelet_projection(tmp_path, core.read_namespaced_config_map("kvpool-e2e", NS).data["config.yaml"], 4)
+            wait_for(lambda: c.config()["last_error"] is not None)
+            assert "pinning.prompts" in c.config()["last_error"] and c.config()["generation"] == 3
+            assert c.stats()["cached_pages"] == cached
     finally:
         sidecar.terminate()
         sidecar.wait(timeout=30)

@@ -10,7 +10,15 @@ import yaml
 from kvpool_operator.cli import main
 from kvpool_operator.crd import crd, spec_schema
 from kvpool_operator.render import CONFIG_KEY, HASH_ANNOTATION, needs_update, render_configmap
-from kvpool_operator.status import PolicyRef, build_status, config_hash_from_metrics, conflicting_policy, target_pods
+from kvpool_operator.status import (
+    PolicyRef,
+    build_status,
+    config_hash_from_metrics,
+    conflicting_policy,
+    prompt_status,
+    prompts_pinned_from_metrics,
+    target_pods,
+)
 from kvpool_sidecar.config import (
     ConfigError,
     KVCachePolicySpec,
@@ -144,6 +152,18 @@ def test_synced_hash_comes_from_the_sidecar_metrics():
     text = '# HELP kvpool_config_info x\nkvpool_config_info{hash="0123abcd",policy="lru",source="llm/chat"} 1.0\n'
     assert config_hash_from_metrics(text) == "0123abcd"
     assert config_hash_from_metrics("kvpool_pages{state=\"free\"} 3\n") is None
+
+
+def test_status_counts_the_synced_pods_holding_each_named_prompt_wholly_pinned():
+    whole = ('kvpool_named_prompt_pages{kind="pinned",prompt="sys"} 3.0\n'
+             'kvpool_named_prompt_pages{kind="total",prompt="sys"} 3.0\n')
+    part = whole.replace('"sys"} 3.0\nkvpool', '"sys"} 1.0\nkvpool', 1)
+    assert prompts_pinned_from_metrics(whole) == {"sys"} and prompts_pinned_from_metrics(part) == set()
+    pods = [prompts_pinned_from_metrics(t) for t in (whole, part, "")]
+    assert prompt_status(["sys", "doc"], pods) == [{"name": "sys", "pinnedPods": 1}, {"name": "doc", "pinnedPods": 0}]
+    status = build_status(generation=1, config_hash="a", configmap="m", valid=(True, "Validated", "ok"),
+                          conflict=None, targets=3, synced=3, prompts=prompt_status(["sys"], pods))
+    assert status["prompts"] == [{"name": "sys", "pinnedPods": 1}]
 
 
 def test_cli_render_and_crd(capsys, tmp_path):

@@ -9,6 +9,7 @@ from kvpool_sidecar.config import (
     parse_config_text,
     parse_duration,
     spec_hash,
+    validate_config,
 )
 
 ISSUE_EXAMPLE = """
@@ -90,6 +91,20 @@ def test_empty_config_means_defaults(text, tmp_path: Path):
         ("workloads: {adapters: [{adapter: a, tenant: x}, {adapter: a, tenant: y}]}", "workloads.adapters",
          "named twice"),
         ("workloads: {adapters: [{adapter: a}]}", "workloads.adapters.0", "set its tenant"),
+        ("workloads: {toB: {schedule: [{start: '9:00', end: '17:00', isolationPercent: 50}]}}",
+         "workloads.toB.schedule.0.start", "pattern"),
+        ("workloads: {toB: {schedule: [{start: '24:00', end: '17:00', isolationPercent: 50}]}}",
+         "workloads.toB.schedule.0.start", "pattern"),
+        ("workloads: {toB: {schedule: [{start: '22:00', end: '06:00', isolationPercent: 50}, "
+         "{start: '05:00', end: '07:00', isolationPercent: 10}]}}", "workloads.toB.schedule", "window 1 (05:00-07:00) "
+         "overlaps"),
+        ("workloads: {toB: {schedule: [{start: '09:00', end: '17:00', isolationPercent: 80}]}}", "",
+         "schedule[0].isolationPercent + pinning.quotaPercent"),
+        ("pinning: {prompts: [{name: sys, model: m, tokens: [1, 2, 3]}]}", "", "fill no page of 16"),
+        ("pinning: {prompts: [{name: Sys, model: m, tokens: [1]}]}", "pinning.prompts.0.name", "pattern"),
+        ("pinning: {prompts: [{name: s, model: m, tokens: [-1]}]}", "pinning.prompts.0.tokens.0", "greater than"),
+        ("pinning: {prompts: [{name: s, model: m, tokens: [1]}, {name: s, model: n, tokens: [2]}]}",
+         "pinning.prompts", "named twice"),
         ("tenancy: {isolation: sometimes}", "tenancy.isolation", "perTenant"),
         ("tenancy: {sharedPrefixes: [xyz]}", "tenancy.sharedPrefixes", "hex page digest"),
         ("learning: {coldStartPeriod: 7d}", "learning.coldStartPeriod", "pattern"),
@@ -106,6 +121,24 @@ def test_bad_config_names_field_and_rule(text, field, rule):
     assert rule in str(err.value)
     if field:
         assert str(err.value).startswith(field + ":")
+
+
+def test_the_to_b_share_follows_the_schedule_by_utc_minute_across_midnight():
+    spec = parse_config_text("workloads: {toB: {isolationPercent: 20, schedule: ["
+                             "{start: '22:00', end: '02:00', isolationPercent: 60}, "
+                             "{start: '09:00', end: '09:30', isolationPercent: 0}]}}").spec()
+    share = {hhmm: spec.at(int(hhmm[:2]) * 60 + int(hhmm[3:])).workloads.toB.isolationPercent
+             for hhmm in ("21:59", "22:00", "23:59", "00:00", "01:59", "02:00", "09:00", "09:29", "09:30")}
+    assert share == {"21:59": 20, "22:00": 60, "23:59": 60, "00:00": 60, "01:59": 60, "02:00": 20, "09:00": 0,
+                     "09:29": 0, "09:30": 20}
+    assert spec.at(12 * 60) is spec  # outside every window: the spec itself
+
+
+def test_named_prompts_are_bounded_by_what_a_configmap_holds():
+    prompts = [{"name": f"p{i}", "model": "m", "tokens": [1] * 40_000} for i in range(2)]
+    with pytest.raises(ConfigError) as err:
+        validate_config({"pinning": {"prompts": prompts}})
+    assert err.value.field == "pinning.prompts" and "at most 65536" in str(err.value)
 
 
 def test_policy_manifest_errors_name_the_field():

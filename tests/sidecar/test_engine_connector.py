@@ -623,6 +623,99 @@ def test_a_pin_by_token_ids_holds_the_pages_the_engine_saved_under_its_own_hashe
         liar.close()
 
 
+def test_a_prompt_the_policy_names_is_pinned_once_its_engine_saved_it_and_outlives_a_flood():
+    """pinning.prompts: a config names a prompt by token ids and served model; the sidecar pins its
+    pages in the engine's key space once the engine has saved them, so after a flood through the pool
+    the engine still finds all of it. A config whose prompts exceed the pin quota is refused naming
+    pinning.prompts, the pool unchanged; a prompt dropped from the config is unpinned; a pin removed
+    through the API comes back."""
+    import httpx
+    from kvpool_operator.status import prompts_pinned_from_metrics
+    from kvpool_sidecar.keys import engine_block_hashes
+
+    path, live = sidecar_with_channel(pages=16, pre_evict_interval=0.05)
+    seed, model = "vllm-none-hash", "org/served@0123abcd"
+    probe = engine_block_hashes(list(range(PS)), PS, "sha256", seed)[0]
+    system = list(range(500, 500 + 3 * PS + 1))  # 3 full pages of a 4-page quota (30 % of 16)
+    base = {"pageSize": PS, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}}}
+    named = {**base, "pinning": {**base["pinning"], "prompts": [
+        {"name": "system", "model": "org/served", "tokens": system}]}}
+
+    def prompt_state(url: str) -> dict:
+        return httpx.get(url + "/v1/config").json()["prompts"][0]
+
+    def until(check, what: str) -> None:
+        deadline = time.monotonic() + 5
+        while not check():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.02)
+
+    with live as (url, sidecar):
+        r = httpx.put(url + "/v1/config", json=named)
+        assert r.status_code == 200, r.text
+        until(lambda: "org/served" in (prompt_state(url)["problem"] or ""), "no engine of its model: not said")
+        assert prompt_state(url)["pages"] == 3 and prompt_state(url)["pinned"] == 0
+        side = SchedulerSide(SidecarLink(path, wire.Hello(wire.PROTOCOL, "scheduler", "s1", model, None, False,
+                                                          wire.Hashing("sha256", seed, probe))), PS, session="s1",
+                             lookup_wait=1.0)
+        save_whole(side, "sys", engine_block_hashes(system, PS, "sha256", seed), len(system), [1, 2, 3, 4])
+        until(lambda: prompt_state(url)["pinned"] == 3, "the named prompt was never pinned")
+        assert prompt_state(url)["problem"] is None
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvpool_named_prompt_pages{kind="pinned",prompt="system"} 3.0' in metrics
+        assert prompts_pinned_from_metrics(metrics) == {"system"}  # what the operator's status counts
+        for i in range(8):  # 16 pages of other prompts through a 16-page pool
+            others = list(range(10_000 * (i + 1), 10_000 * (i + 1) + 2 * PS))
+            save_whole(side, f"o{i}", engine_block_hashes(others, PS, "sha256", seed), len(others), [5, 6])
+        keys = engine_block_hashes(system, PS, "sha256", seed)
+        assert wait_for(side, "again", keys, len(system), 0, None) == 3 * PS  # all of it, for the engine
+        side.finished("again")
+        # Over the quota: refused naming the field; the prompt in force stays pinned.
+        too_many = {**base, "pinning": {**base["pinning"], "prompts": [
+            *named["pinning"]["prompts"], {"name": "doc", "model": "org/served", "tokens": list(range(2 * PS))}]}}
+        before = httpx.get(url + "/v1/config").json()["hash"]
+        r = httpx.put(url + "/v1/config", json=too_many)
+        assert r.status_code == 409 and r.json()["field"] == "pinning.prompts" and "pin quota" in r.text, r.text
+        assert httpx.get(url + "/v1/config").json()["hash"] == before and prompt_state(url)["pinned"] == 3
+        # Removed through the API (an admin may): pinned again at the next tick.
+        pin_id = next(p["pin_id"] for p in httpx.get(url + "/v1/pins").json()["pins"])
+        assert httpx.delete(f"{url}/v1/pins/{pin_id}").status_code == 204
+        until(lambda: sidecar.pool.stats().pinned_pages == 3 and prompt_state(url)["pinned"] == 3,
+              "the removed pin of a named prompt was not restored")
+        # Dropped from the config: unpinned at once.
+        assert httpx.put(url + "/v1/config", json=base).status_code == 200
+        assert sidecar.pool.stats().pinned_pages == 0 and httpx.get(url + "/v1/config").json()["prompts"] == []
+        side.link.close()
+
+
+def test_a_schedule_window_moves_the_to_b_share_at_its_hour_without_a_reload():
+    """workloads.toB.schedule: inside a daily window (UTC) the to-B partition has the window's share,
+    outside it isolationPercent's; the sidecar follows the clock on its own, no config write needed."""
+    import datetime
+
+    import httpx
+
+    now = [datetime.datetime(2026, 12, 5, 8, 59, tzinfo=datetime.timezone.utc)]
+    config = {"pageSize": PS, "eviction": {"policy": "lru"}, "workloads": {"toB": {
+        "isolationPercent": 25, "schedule": [{"start": "09:00", "end": "17:30", "isolationPercent": 50}]}}}
+    with live_sidecar(SidecarConfig.model_validate(config), pages=100, pre_evict_interval=0.05,
+                      wall=lambda: now[0]) as (url, sidecar):
+
+        def share() -> tuple[int, float]:
+            stats = httpx.get(url + "/v1/stats").json()
+            return stats["partitions"]["toB"]["capacity"], httpx.get(url + "/v1/config").json()["to_b_share_percent"]
+
+        assert share() == (25, 25)
+        for moment, expected in ((datetime.time(9, 0), (50, 50)), (datetime.time(17, 29), (50, 50)),
+                                 (datetime.time(17, 30), (25, 25))):
+            now[0] = datetime.datetime.combine(now[0].date(), moment, datetime.timezone.utc)
+            deadline = time.monotonic() + 5
+            while share() != expected:
+                assert time.monotonic() < deadline, (moment, share())
+                time.sleep(0.02)
+        assert sidecar.state.reloads["applied"] == 0  # the clock moved it, not a config
+
+
 class GatedCopier:
     """The worker's copier with its saves held at a gate: a deliberately slow copy."""
 

@@ -127,6 +127,17 @@ def test_bearer_token_is_required_when_configured():
         assert httpx.get(url + "/healthz").status_code == 200  # probes stay open
 
 
+def test_serve_refuses_a_config_whose_named_prompts_exceed_the_pin_quota_of_its_pool(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("pageSize: 4\npinning: {quotaPercent: 10, prompts: [{name: sys, model: m, tokens: "
+                      f"{list(range(4 * 7))}}}]}}\n")
+    with pytest.raises(ServeError, match=r"pinning.prompts: the named prompts fill 7 pages: more than the pin quota "
+                                         r"of 6 pages \(pinning.quotaPercent 10 of 64\)"):
+        build(ServeOptions(config=str(config), pages=64))
+    sidecar, _ = build(ServeOptions(config=str(config), pages=70))
+    assert sidecar.pool.pinning.quota == 7
+
+
 def test_serve_refuses_to_expose_the_api_without_a_token(tmp_path):
     with pytest.raises(ServeError, match="--token-file"):
         build(ServeOptions(host="0.0.0.0"))

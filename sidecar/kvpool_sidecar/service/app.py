@@ -176,6 +176,12 @@ SETTLE_PAGES = 256  # pages per background slice: about a millisecond of the poo
 async def _pre_evict_when_idle(sidecar: Sidecar, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
+        # The to-B share of the hour, and the policy's named prompts pinned once an engine saved them.
+        for job in (sidecar.follow_schedule, sidecar.keep_prompts_pinned):
+            try:
+                await sidecar.run_background(job)
+            except Exception:
+                log.exception("%s failed", job.__name__)
         # Expired pins lapse and a switched policy takes pages over a slice at a time, busy or not,
         # yielding to requests between slices.
         while True:

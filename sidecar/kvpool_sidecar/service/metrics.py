@@ -192,6 +192,14 @@ class _PoolCollector(Collector):
                 part.add_metric([name, kind], value)
         yield part
         yield GaugeMetricFamily("kvpool_pin_quota_pages", "Most pages that may be pinned", value=snap["pin_quota"])
+        prompts = GaugeMetricFamily(
+            "kvpool_named_prompt_pages", "The policy's named prompts (pinning.prompts): their full pages (kind "
+            "total) and the pages pinned of them (pinned; below total until an engine has saved all of it)",
+            labels=["prompt", "kind"])
+        for name, (pinned, total) in snap["prompts"].items():
+            prompts.add_metric([name, "pinned"], pinned)
+            prompts.add_metric([name, "total"], total)
+        yield prompts
         autopins = CounterMetricFamily(
             "kvpool_autopins", "Auto-pins (long prompts, hot prefixes) by result: pinned; displaced (the oldest "
             "auto-pin lapsed to make room for a newer pin); refused (no room even so)", labels=["result"])

@@ -183,6 +183,18 @@ class ConfigView(_Wire):
     notice: str | None = Field(default=None, description="what the config in force did beyond its values, "
                                "e.g. the oldest pins it removed to fit a lowered pin quota")
     reloads: dict[str, int]
+    to_b_share_percent: float = Field(description="to-B's share of pages in force now (workloads.toB.schedule's "
+                                      "window at this hour, else isolationPercent)")
+    prompts: list[NamedPromptView] = Field(description="the policy's named prompts and how much of each is pinned")
+
+
+class NamedPromptView(_Wire):
+    name: str
+    model: str
+    pages: int = Field(description="its full pages")
+    pinned: int = Field(description="pages pinned of them")
+    problem: str | None = Field(description="why it is not wholly pinned (not saved by an engine yet, over the "
+                                "pin quota, no engine of its model connected)")
 
 
 class BatchAdmit(AdmitRequest):

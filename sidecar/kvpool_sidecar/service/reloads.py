@@ -11,6 +11,7 @@ from typing import Any
 from kvpool_sidecar.config import ConfigError, SidecarConfig, parse_config_text, spec_hash
 from kvpool_sidecar.policies import PolicyError
 from kvpool_sidecar.pool import InvalidRequest
+from kvpool_sidecar.service.prompts import check_prompts_fit
 
 log = logging.getLogger("kvpool.sidecar")
 
@@ -39,6 +40,8 @@ class ConfigReloads:
             "last_error": self.state.last_error,
             "notice": self.state.notice,
             "reloads": dict(self.state.reloads),
+            "to_b_share_percent": self.pool.spec.workloads.toB.isolationPercent,  # the schedule's, in force now
+            "prompts": [state.view() for state in self.prompts.states.values()],
         }
 
     def apply_config_text(self, text: str, origin: str) -> tuple[str, str | None, str]:
@@ -67,9 +70,11 @@ class ConfigReloads:
             self._count("unchanged")
             return "unchanged", None, ""
         try:
-            unpinned = self.pool.reconfigure(config.spec())
+            check_prompts_fit(config.spec(), self.pool.total_pages)
+            unpinned = self.pool.reconfigure(config.spec().at(self.minute_of_day()))
         except (InvalidRequest, PolicyError) as exc:
             return self.reject(f"{origin}: {exc}", getattr(exc, "field", ""))
+        self.prompts.configure(config.spec(), self.unpin_own)
         self.state.notice = self._report_unpinned(unpinned, config) if unpinned else None
         self.state.config = config
         self.state.hash = new_hash
@@ -88,6 +93,22 @@ class ConfigReloads:
                   f"({', '.join(r.pin_id for r in unpinned[:8])}{', ...' if len(unpinned) > 8 else ''})")
         log.warning("%s", notice)
         return notice
+
+    def minute_of_day(self) -> int:
+        """The minute of the day (UTC) the to-B schedule is read at."""
+        now = self.wall()
+        return now.hour * 60 + now.minute
+
+    def follow_schedule(self) -> bool:
+        """Put the to-B share the schedule sets now in force (pages move as the partitions evict);
+        returns whether it changed."""
+        spec = self.state.config.spec().at(self.minute_of_day())
+        if spec.workloads.toB.isolationPercent == self.pool.spec.workloads.toB.isolationPercent:
+            return False
+        log.info("to-B share: %g %% of pages by workloads.toB.schedule (was %g %%)",
+                 spec.workloads.toB.isolationPercent, self.pool.spec.workloads.toB.isolationPercent)
+        self.pool.reconfigure(spec)
+        return True
 
     def reject(self, message: str, field: str = "") -> tuple[str, str | None, str]:
         """Record a config that was not applied; the one in force stays."""

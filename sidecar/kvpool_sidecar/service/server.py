@@ -12,6 +12,7 @@ import uvicorn
 from prometheus_client import start_http_server
 
 from kvpool_sidecar.config import SidecarConfig, load_config
+from kvpool_sidecar.errors import InvalidRequest
 from kvpool_sidecar.service.app import DEFAULT_MAX_BODY_BYTES, create_app
 from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, socket_in_use
 from kvpool_sidecar.service.credentials import Credentials
@@ -23,6 +24,7 @@ from kvpool_sidecar.service.membership import (
     load_kube_config,
     parse_static,
 )
+from kvpool_sidecar.service.prompts import check_prompts_fit
 from kvpool_sidecar.service.router_app import RouterService, create_router_app
 from kvpool_sidecar.service.state import (
     DEFAULT_MAX_PINS_PER_OWNER,
@@ -120,6 +122,10 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
                          "on this host needs its own path)")
     token = read_credentials(options)
     config = load_config(options.config) if options.config else SidecarConfig()
+    try:
+        check_prompts_fit(config.spec(), options.pages)
+    except InvalidRequest as exc:
+        raise ServeError(f"--config {options.config}: {exc}") from None
     keys = None
     if options.transfer_key_file:
         try:

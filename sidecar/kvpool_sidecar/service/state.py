@@ -11,6 +11,7 @@ meanwhile; idle pre-eviction runs in small bounded steps.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import logging
 import secrets
@@ -25,11 +26,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvpool_sidecar.config import SidecarConfig, spec_hash
-from kvpool_sidecar.errors import InvalidRequest
-from kvpool_sidecar.keys import engine_block_hashes, namespace, namespaced, workload_class_of
+from kvpool_sidecar.keys import workload_class_of
 from kvpool_sidecar.pool import PagePool, PoolError, TooManyPins, UnknownPin, UnknownSequence, WorkloadMeta
 from kvpool_sidecar.service.credentials import ADMIN, Principal
 from kvpool_sidecar.service.metrics import SidecarMetrics
+from kvpool_sidecar.service.prompts import EnginePins, PromptPins
 from kvpool_sidecar.service.reloads import ConfigReloads, ConfigState
 from kvpool_sidecar.service.removals import Removals
 from kvpool_sidecar.storage import KVStorage, transfer
@@ -39,7 +40,6 @@ log = logging.getLogger("kvpool.sidecar")
 T = TypeVar("T")
 DEFAULT_MAX_SEQUENCES = 16_384  # live sequences one sidecar holds (an engine runs a few hundred at most)
 DEFAULT_MAX_SEQUENCE_TOKENS = 1 << 20  # the longest contexts served today are about a million tokens
-MAX_ENGINE_MODELS = 64  # engine model identities whose block hashing the sidecar keeps (the newest)
 DEFAULT_MAX_PINS_PER_OWNER = 4096  # pin records one credential holds (auto-pins are the pool's own)
 
 HEAVY_PAGES = 2048  # an admission of this many pages may evict as many: ~10 ms, off the event loop
@@ -81,7 +81,7 @@ class ShadowIndex:
         return hits
 
 
-class Sidecar(ConfigReloads):
+class Sidecar(ConfigReloads, EnginePins):
     def __init__(
         self,
         config: SidecarConfig,
@@ -95,6 +95,7 @@ class Sidecar(ConfigReloads):
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         max_sequence_tokens: int = DEFAULT_MAX_SEQUENCE_TOKENS,
         max_pins_per_owner: int = DEFAULT_MAX_PINS_PER_OWNER,
+        wall: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.timezone.utc),
     ) -> None:
         self.transfer_keys = transfer_keys
         self._seq_owner: dict[str, str] = {}  # who admitted each live sequence (bounded by max_sequences)
@@ -102,8 +103,12 @@ class Sidecar(ConfigReloads):
         self._pins_by_owner: dict[str, set[str]] = {}  # each credential's pins (bounded by max_pins_per_owner)
         self._hashing_refused: set[str] = set()  # engine models whose hashing was refused (warned once)
         self.max_pins_per_owner = max_pins_per_owner
-        self.pool = PagePool(pages, config.spec(), clock=clock, max_sequences=max_sequences,
+        self.wall = wall
+        self.pool = PagePool(pages, config.spec().at(self.minute_of_day()), clock=clock, max_sequences=max_sequences,
                              max_sequence_tokens=max_sequence_tokens)
+        self.prompts = PromptPins()
+        self._prompt_key_memo: dict[str, tuple[Any, list[list[bytes]]]] = {}
+        self.prompts.configure(config.spec(), self.unpin_own)
         self.clock = clock
         self.config_path = Path(config_path) if config_path else None
         self.state = ConfigState(config, spec_hash(config))
@@ -206,44 +211,6 @@ class Sidecar(ConfigReloads):
             live = self.pool.pinning.records
             self._pin_owner = {pin_id: who for pin_id, who in self._pin_owner.items() if pin_id in live}
         return record
-
-    def learn_engine_hashing(self, model: str, algo: str, seed: str, probe: bytes) -> bool:
-        """Remember how the engines of ``model`` hash their blocks once this sidecar computes the same
-        hash as the engine's probe (vLLM's own hash of the block of token ids 0..page_size-1)."""
-        ps = self.pool.page_size
-        try:
-            mine = engine_block_hashes(list(range(ps)), ps, algo, seed)
-        except InvalidRequest as exc:
-            why = str(exc)
-        else:
-            if mine == [probe]:
-                self.engine_hashing.pop(model, None)
-                self.engine_hashing[model] = (algo, seed)
-                while len(self.engine_hashing) > MAX_ENGINE_MODELS:  # the oldest model first
-                    self.engine_hashing.pop(next(iter(self.engine_hashing)))
-                return True
-            why = "its hash of a probe block differs from the sidecar's (another vLLM hashing scheme?)"
-        if model not in self._hashing_refused and len(self._hashing_refused) < MAX_ENGINE_MODELS:
-            self._hashing_refused.add(model)
-            log.warning("engine model %s: pins by token ids are off for it: %s", model[:200], why)
-        return False
-
-    def engine_keys(self, model: str, tokens: list[int]) -> list[list[bytes]]:
-        """The pool keys the engines of ``model`` give the full blocks of ``tokens``: one list per model
-        identity that ``model`` names (the whole identity, or the served model's name or path before its
-        ``@``, which engines of several tensor-parallel degrees share)."""
-        known = [m for m in self.engine_hashing if m == model or m.rsplit("@", 1)[0] == model]
-        if not known:
-            names = sorted({m.rsplit("@", 1)[0] for m in self.engine_hashing}) or ["none yet"]
-            raise InvalidRequest(f"no engine serving model {model!r} has connected to this sidecar (engine models: "
-                                 f"{', '.join(n[:200] for n in names)})", "model")
-        ps = self.pool.page_size
-        return [namespaced(namespace(m), engine_block_hashes(tokens, ps, *self.engine_hashing[m])) for m in known]
-
-    def pin_engine_prompt(self, model: str, tokens: list[int], *, owner: Principal = ADMIN, **kwargs: Any) -> Any:
-        """Pin a prompt's cached pages in the engine's key space (the identity holding most of them)."""
-        best = max(self.engine_keys(model, tokens), key=lambda keys: len(self.pool.table.cached_prefix(keys)))
-        return self.pin(block_hashes=best, owner=owner, **kwargs)
 
     def pins_of(self, who: Principal) -> list[Any]:
         """The live pins ``who`` may remove (an admin: all of them, auto-pins included)."""
@@ -432,6 +399,7 @@ class Sidecar(ConfigReloads):
                 for name, p in st.partitions.items()
             },
             "pin_quota": st.pin_quota_pages,
+            "prompts": self.prompts.pages_pinned(),
             "autopins": {"pinned": self.pool.pinning.autopins, "displaced": self.pool.pinning.autopins_displaced,
                          "refused": self.pool.pinning.autopins_refused},
             "fragmentation": st.fragmentation_tokens,
