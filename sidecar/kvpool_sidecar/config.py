@@ -214,7 +214,7 @@ class PinnedPrompt(StrictModel):
     name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
                       description="what status and metrics call it")
     model: str = Field(min_length=1, max_length=4096, description=(
-        "the served model name (or path) of the engines that look it up"))
+        "the model the engines that look it up were started with (vLLM's --model: a hub name or path)"))
     tokens: list[Annotated[int, Field(ge=0, lt=2**63)]] = Field(min_length=1, description=(
         "its token ids; only its full pages are pinned"))
 

@@ -316,17 +316,33 @@ def test_j_a_decoding_request_holds_no_pool_page(stack):
         engine.step()
 
 
+def wait_until(check, what: str, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
 def test_k_a_prompt_pinned_by_its_token_ids_outlives_a_flood_and_is_loaded_by_vllm(stack):
     """One key space: the sidecar names the engine's pages from token ids (vLLM's hashing, which the
-    connector's hello describes and the sidecar checks), so a pin by tokens holds what vLLM looks up;
-    pins past the quota are refused naming it; the rest of the pool churns as before."""
+    connector's hello describes and the sidecar checks), so a pin by tokens, and a prompt the policy
+    names, hold what vLLM looks up; pins past the quota are refused naming it; the rest of the pool
+    churns as before."""
     import httpx
 
     llm, sidecar, _ = stack
     model = llm.llm_engine.vllm_config.model_config.model
-    system, control = pair(1200)[0], pair(1250)[0]
+    system, control, named = pair(1200)[0], pair(1250)[0], pair(1260)[0]
     baseline, _ = generate(llm, system, fresh=True)
     control_alone, _ = generate(llm, control, fresh=True)
+    named_alone, _ = generate(llm, named, fresh=True)
+    # A prompt the policy names (pinning.prompts), as the operator renders it into the sidecar's config.
+    base = {"pageSize": BLOCK, "eviction": {"policy": "lru"}}
+    sidecar.write_config({**base, "pinning": {"prompts": [{"name": "faq", "model": model, "tokens": named}]}})
+    wait_until(lambda: sidecar.get("/v1/config")["prompts"], "the config naming a prompt was not applied")
+    generate(llm, named)  # its first request computes it; the sidecar pins what the engine saved
+    wait_until(lambda: sidecar.get("/v1/config")["prompts"][0]["pinned"] == len(named) // BLOCK,
+               "the named prompt was never pinned")
     generate(llm, system)
     generate(llm, control)  # saved too, not pinned
     pins = []
@@ -349,11 +365,15 @@ def test_k_a_prompt_pinned_by_its_token_ids_outlives_a_flood_and_is_loaded_by_vl
             generate(llm, prompt(seed, 10 * BLOCK), max_tokens=1)
         tokens, from_pool = generate(llm, system)
         assert tokens == baseline and from_pool >= PREFIX_BLOCKS * BLOCK  # loaded from kvpool
+        tokens, from_pool = generate(llm, named)
+        assert tokens == named_alone and from_pool >= PREFIX_BLOCKS * BLOCK  # the policy's prompt too
         tokens, from_pool = generate(llm, control)
         assert tokens == control_alone and from_pool == 0  # the flood took what was not pinned
     finally:
         for pin_id in pins:
             httpx.delete(f"{sidecar.url}/v1/pins/{pin_id}", timeout=5)
+        sidecar.write_config(base)
+        wait_until(lambda: not sidecar.get("/v1/config")["prompts"], "the named prompt was not dropped")
 
 
 def test_connector_state_is_released_with_the_requests(stack):

@@ -101,7 +101,7 @@ class PinRequest(_Wire):
     tokens: list[TokenId] = Field(default=None, min_length=1)  # type: ignore[assignment]
     block_hashes: list[BlockHash] = Field(default=None, min_length=1)  # type: ignore[assignment]
     seq_id: SeqId = None  # type: ignore[assignment]
-    # With tokens: the engine model whose pages to pin (its served name or path, or its full identity):
+    # With tokens: the engine model whose pages to pin (its --model, a hub name or path, or its full identity):
     # the tokens are hashed as that engine hashes its blocks, so the pin holds what the engine looks up.
     model: str = Field(default=None, min_length=1, max_length=4096)  # type: ignore[assignment]
     meta: Meta = Field(default_factory=Meta)

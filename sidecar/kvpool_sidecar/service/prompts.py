@@ -137,8 +137,8 @@ class EnginePins:
 
     def engine_keys(self, model: str, tokens: list[int]) -> list[list[bytes]]:
         """The pool keys the engines of ``model`` give the full blocks of ``tokens``: one list per model
-        identity that ``model`` names (the whole identity, or the served model's name or path before its
-        ``@``, which engines of several tensor-parallel degrees share)."""
+        identity that ``model`` names (the whole identity, or the engine's ``--model``, a hub name or path,
+        before its ``@``, which engines of several tensor-parallel degrees share)."""
         known = [m for m in self.engine_hashing if m == model or m.rsplit("@", 1)[0] == model]
         if not known:
             names = sorted({m.rsplit("@", 1)[0] for m in self.engine_hashing}) or ["none yet"]
