@@ -222,6 +222,7 @@ class Stack:
         if tp > 1:  # vLLM-CPU binds one core per rank only when told which
             cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        cmd += getattr(args, "vllm_extra", [])  # bench/classes.py: a LoRA adapter, prompt token details
         if kv_transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer)]
         if kv_events is not None:
