@@ -46,3 +46,24 @@ def test_the_check_finds_a_file_that_does_not_exist(tmp_path: Path) -> None:
     doc.write_text(f"See `{absent}` and sidecar/kvpool_sidecar/pool/pool.py; "
                    "old figures: `git show abc1234:docs/benchmarks-history.md`.")
     assert missing(doc) == [absent]
+
+
+def unlisted_benchmarks(root: Path) -> list[str]:
+    """bench/'s runnable scripts that neither ``make bench-report`` (bench/report.py) runs nor README names:
+    a user could not tell them from a one-off measurement (those live in bench/measurements/)."""
+    listed = (root / "bench" / "report.py").read_text() + (root / "README.md").read_text()
+    return sorted(f"bench/{p.name}" for p in (root / "bench").glob("*.py")
+                  if "__main__" in p.read_text() and f"bench/{p.name}" not in listed)
+
+
+def test_every_benchmark_is_in_the_report_or_the_readme(tmp_path: Path) -> None:
+    assert unlisted_benchmarks(ROOT) == []
+    (tmp_path / "bench").mkdir()
+    script = "bench/{}" + ".py"  # spelled in two parts: this file is checked too
+    (tmp_path / "bench" / "report.py").write_text(f'SECTIONS = ["{script.format("listed")}"]\n'
+                                                  'if __name__ == "__main__": ...\n')
+    (tmp_path / "README.md").write_text(f"Run `{script.format('named')}`.\n")
+    for name in ("listed", "named", "stray"):
+        (tmp_path / "bench" / f"{name}.py").write_text('if __name__ == "__main__": ...\n')
+    (tmp_path / "bench" / "helper.py").write_text("def helper() -> None: ...\n")  # imported, not run
+    assert unlisted_benchmarks(tmp_path) == [script.format("report"), script.format("stray")]
