@@ -150,16 +150,18 @@ def load(server: Server, prompts: list[list[int]], clients: int = 8, salted: boo
     return out
 
 
-def crash_under_load(server: Server, sidecar: SidecarProcess) -> list[list[int]]:
+def crash_under_load(server: Server, sidecar: SidecarProcess, seed: int) -> list[list[int]]:
     """Clients keep 8 requests in flight; the server is killed -9 while the pool holds sequences of theirs
-    (admissions whose loads or saves are in flight). Returns each client's last prompt."""
+    (admissions whose loads or saves are in flight). Prompts from ``seed`` on: a kill reusing an earlier
+    kill's prompts would find them saved and hold only brief load-only sequences. Returns each client's
+    last prompt."""
     stop = threading.Event()
     last: list[list[int]] = [[] for _ in range(8)]
 
     def client(i: int) -> None:
         k = 0
         while not stop.is_set():
-            last[i] = shared_prompts(1, 1000 + 31 * i + k)[0]
+            last[i] = shared_prompts(1, seed + 31 * i + k)[0]
             server.complete(last[i], max_tokens=48)
             k += 1
 
@@ -209,7 +211,7 @@ def test_the_engine_survives_its_sidecar_and_its_own_crashes_and_never_loads_ano
                 assert time.monotonic() < deadline, "the engine never used the restarted sidecar"
                 assert load(server, prompts) == baseline
         finally:
-            crash_under_load(server, sidecar)  # kill 1 (its admissions are held only while their transfers
+            crash_under_load(server, sidecar, 1000)  # kill 1 (its admissions are held only while their transfers
             # run, so whether it dies holding one is a race here: kill 3 below makes sure it does)
         # The same folder, new weights of the same shape (a model updated in place), the sidecar live.
         build_tiny_model(tmp_path / "model-new", seed=1)
@@ -227,13 +229,13 @@ def test_the_engine_survives_its_sidecar_and_its_own_crashes_and_never_loads_ano
             assert server.complete(probe[1]) == first
             assert eventually(lambda: sidecar.metric(LOADED) > before)
         finally:
-            crash_under_load(server, sidecar)  # kill 2
+            crash_under_load(server, sidecar, 3000)  # kill 2
         # Kill 3 with every save's copy held back a second: the engine dies with saves queued and their
         # sequences held. Nothing of them is published: had a page been committed before its bytes were
         # written, the next engine would load zeros there and answer other tokens.
         server = Server(model, sidecar, tmp_path, slow_saves=True)
         lapsed = sidecar.metric("kvpool_engine_lapsed_sequences_total")
-        in_flight = crash_under_load(server, sidecar)  # kill 3
+        in_flight = crash_under_load(server, sidecar, 5000)  # kill 3
         assert sidecar.metric("kvpool_engine_lapsed_sequences_total") > lapsed  # it died mid-transfer
         # The next server's loads are held back 0.3 s a layer: each attention layer must wait for its own
         # rows (a forward that read its blocks before they were loaded would answer other tokens).
