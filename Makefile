@@ -9,11 +9,16 @@ STAMP := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# Real services beat mocks: the metrics tests scrape with a real Prometheus and check with promtool.
+# Real services beat mocks: the metrics tests scrape with a real Prometheus and check with promtool; the
+# example gateway's tests run it in a real nginx with its njs module.
 system-deps:
 	@command -v promtool >/dev/null 2>&1 || { \
 		echo "installing prometheus (Debian package) for the metrics tests"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	@{ command -v nginx >/dev/null 2>&1 && test -e /usr/lib/nginx/modules/ngx_http_js_module.so; } || { \
+		echo "installing nginx with njs (Debian packages) for the gateway tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			nginx-light libnginx-mod-http-js; }
 
 $(STAMP): pyproject.toml setup.py $(wildcard sidecar/kvpool_sidecar/*.c)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
