@@ -1,8 +1,23 @@
 // What a gateway must do before vLLM sees a request when the connector trusts request parameters
 // (trust_request_params: true): the caller's tenant and class come from its credential, never from the
 // body. Every client-supplied kv_transfer_params and cache_salt is replaced; a body that is not a JSON
-// object (njs's parser refuses nesting deeper than 32 levels) is refused here: vLLM 0.32 dies on a
-// 500-deep body.
+// object nesting at most MAX_DEPTH levels is refused here (vLLM 0.32 dies on a 500-deep body; njs's own
+// parser may stop sooner, with the same answer).
+var MAX_DEPTH = 32;
+var BODY_RULE = 'must be a JSON object nesting at most ' + MAX_DEPTH + ' levels';
+
+function depth(v) {
+    if (v === null || typeof v !== 'object') {
+        return 0;
+    }
+    var deepest = 0;
+    var keys = Object.keys(v);
+    for (var i = 0; i < keys.length; i++) {
+        deepest = Math.max(deepest, depth(v[keys[i]]));
+    }
+    return deepest + 1;
+}
+
 function refuse(r, status, field, rule) {
     r.headersOut['Content-Type'] = 'application/json';
     r.return(status, JSON.stringify({error: {field: field, rule: rule}}) + '\n');
@@ -26,11 +41,11 @@ function admit(r) {
         try {
             body = JSON.parse(r.requestText || '');
         } catch (e) {
-            refuse(r, 400, 'body', 'must be JSON nesting at most 32 levels (' + e.message + ')');
+            refuse(r, 400, 'body', BODY_RULE + ' (' + e.message + ')');
             return;
         }
-        if (body === null || typeof body !== 'object' || Array.isArray(body)) {
-            refuse(r, 400, 'body', 'must be a JSON object');
+        if (body === null || typeof body !== 'object' || Array.isArray(body) || depth(body) > MAX_DEPTH) {
+            refuse(r, 400, 'body', BODY_RULE);
             return;
         }
     }
