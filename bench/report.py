@@ -106,7 +106,7 @@ def sections(synth_dir: str) -> list[Section]:
                 "vLLM (a tiny random model on the CPU): tokens served from the second tier, cost per request, "
                 "TTFT, and greedy tokens against vLLM alone.", ["python", "bench/engine.py"], slow=True),
         Section("Authentication's cost in instructions", "cachegrind counts per admit + release pair, "
-                "credentials off and on.", ["python", "bench/auth_cost.py", "--requests", "300"], slow=True),
+                "credentials off and on.", ["python", "bench/auth_cost.py", "--requests", "3000"], slow=True),
     ]
     return out
 
