@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GATEWAY = ROOT / "manifests" / "gateway"
@@ -73,12 +73,6 @@ class Engine(BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rendered(text: str, replacements: dict[str, str]) -> str:
