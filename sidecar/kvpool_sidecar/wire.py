@@ -117,6 +117,9 @@ class Admitted(msgspec.Struct, tag="admitted", array_like=True):
     page_ids: list[int]
     cached_tokens: int
     epoch: int | None
+    # The session's fence word (slot, value) in the pool's header: every copy of this admission names it,
+    # and a worker copies nothing once the sidecar has cleared it (the session ended).
+    fence: tuple[int, int] | None = None
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):

@@ -765,20 +765,51 @@ def test_a_step_returns_before_its_save_is_written_and_the_page_is_committed_onl
         for page, block in zip(pages, [1, 2, 3], strict=True):  # the blocks' bytes, written before the commit
             assert torch.equal(storage.kv[page, 0].flatten(), kv["layer.0"][block].flatten())
 
-        # Preemption: the engine frees the blocks at once; the next step waits for the queued save.
-        gated.gate.clear()
-        gated.started.clear()
-        wait_for(side, "q", hashes(3, "q"), 13, 0, None)
-        side.allocated("q", [5, 4, 3, 2], 0)
-        worker.save(side.plan([("q", [5, 4, 3, 2], True, 0, 13)]))
-        assert gated.started.wait(5)
-        waited = threading.Thread(target=worker.preempted, args=({"q"},))
-        waited.start()
-        waited.join(0.2)
-        assert waited.is_alive()  # held until the copy has read the blocks
+        side.link.close()
+        worker.close()
+    storage.close()
+
+
+def test_a_preemption_under_a_held_back_save_lane_returns_at_once_and_commits_nothing_it_cancelled():
+    """The engine preempts a request whose saves are queued behind a held-back copy and may rewrite its
+    blocks in the very next step: ``preempted`` returns without waiting for the lane, the save under way
+    and the queued one are reported failed (whatever they read), nothing of them is committed, and the
+    old admission's pages stay held until the worker has reported both (the request comes back with a
+    fresh admission meanwhile)."""
+    storage = KVStorage(SHAPE, PS, pages=16, shared=True)
+    path = socket_path()
+    with live_sidecar(CONFIG, pages=16, storage=storage, engine_socket=path) as (_, sidecar):
+        kv = engine_kv(8, "cpu")
+        worker = WorkerSide(welcome_of(path), engine_layers(kv, 8), PS)
+        worker.attach(strict=True)
+        worker.copier = gated = GatedCopier(worker.copier)  # type: ignore[assignment]
+        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s1", lookup_wait=0.5)
+        wait_for(side, "q", hashes(4, "q"), 17, 0, None)
+        side.allocated("q", [5, 4, 3, 2, 1], 0)
+        first = side.plan([("q", [5, 4, 3, 2, 1], True, 0, 8)])
+        worker.save(first)
+        assert gated.started.wait(5)  # its first save is under way, held
+        second = side.plan([("q", None, False, 8, 9)])
+        worker.save(second)  # queued behind it
+        started = time.monotonic()
+        worker.preempted({"q"})  # the engine frees blocks 5-1 and may rewrite them in this step
+        assert time.monotonic() - started < 0.1
+        for t in kv.values():
+            t[1:6] = 7.0  # another request's KV, written by the next forward
+        assert wait_for(side, "q", hashes(4, "q"), 17, 0, None) == 0  # preempted and back: a fresh admission
+        assert sidecar.pool.stats().sequences == 2  # the old one is held while its copies are unreported
         gated.gate.set()
-        waited.join(5)
-        assert not waited.is_alive()
+        deadline = time.monotonic() + 5
+        report = StepDone()
+        while set(report.steps) != {first.step, second.step}:
+            assert time.monotonic() < deadline, "the worker never reported the cancelled saves"
+            report.merge(worker.take_done() or StepDone())
+            time.sleep(0.005)
+        assert report.failed_saves == {(first.step, "q"), (second.step, "q")}
+        side.worker_done(report)
+        side.finished("q")
+        settle(side.link, sidecar)
+        assert sidecar.pool.stats().cached_pages == 0  # nothing it read was published
         side.link.close()
         worker.close()
     storage.close()

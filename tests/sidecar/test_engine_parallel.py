@@ -4,6 +4,8 @@ only once every rank wrote its share without failing, and an engine of another d
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from kvpool_sidecar.engines.blocks import LayoutError, PageCopier, check_compatible, engine_layers
@@ -90,9 +92,15 @@ def test_one_ranks_report_alone_commits_nothing():
         side = SchedulerSide(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0, world_size=2)
         wait_for(side, "r", hashes(3), 13, 0, None)
         side.allocated("r", [1, 2, 3, 4], 0)
-        side.worker_done(done(side.plan([("r", [1, 2, 3, 4], True, 0, 13)]).step))
+        step = side.plan([("r", [1, 2, 3, 4], True, 0, 13)]).step
+        side.worker_done(done(step))
         side.finished("r")
-        side.sent({"r"})  # vLLM says finished only when every rank did; forced here: released uncommitted
-        until(lambda: sidecar.pool.stats().sequences == 0, "released")
+        side.sent({"r"})  # vLLM says finished only when every rank did; forced here
+        side.plan([])  # a later step: the link has sent what was queued
+        time.sleep(0.1)
+        # Nothing committed, and the pages stay held: rank 1's copy may still be writing them.
+        assert sidecar.pool.stats().cached_pages == 0 and sidecar.pool.stats().sequences == 1
+        side.worker_done(StepDone({step: 1}, {(step, "r")}))  # rank 1: its share failed
+        until(lambda: sidecar.pool.stats().sequences == 0, "released once every rank reported")
         assert sidecar.pool.stats().cached_pages == 0
         side.link.close()

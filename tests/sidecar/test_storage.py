@@ -12,7 +12,7 @@ import pytest
 import torch
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.pool import PagePool
-from kvpool_sidecar.storage import Backend, KVStorage, ModelShape, kernels, reference
+from kvpool_sidecar.storage import Backend, Fenced, KVStorage, ModelShape, StaleHandle, kernels, memory, reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPE = dict(layers=2, kv_heads=2, head_dim=8)
@@ -162,22 +162,46 @@ def test_row_moves_between_two_tensors_are_bit_exact(dtype):
         kernels.move_rows(engine, src, torch.zeros((9, 95), dtype=dtype), dst)
 
 
-def test_a_named_instance_removes_the_segments_its_killed_predecessor_left():
+def test_a_named_instance_takes_over_the_segment_its_killed_predecessor_left():
+    """A restart reuses its predecessor's file (an engine still mapping it would otherwise hold a second
+    pool's worth of the shm volume), resized to the new pool, under a new epoch and with every fence
+    cleared: the old mapping, and every copy a session of the old sidecar planned, fail their checks."""
     first = KVStorage(ModelShape(**SHAPE), 4, pages=2, shared=True, instance="test-host-1")
     other = KVStorage(ModelShape(**SHAPE), 4, pages=2, shared=True, instance="test-host-10")
-    stale = first.handle()["name"]
+    stale = first.handle()
+    fence = first.open_fence()
+    engine = KVStorage.attach(stale)  # an engine's mapping, which outlives the sidecar
+    engine.check(fence)
     first._shm = None  # as if killed: never closed, never unlinked
-    assert os.path.exists(f"/dev/shm/{stale}")
-    second = KVStorage(ModelShape(**SHAPE), 4, pages=2, shared=True, instance="test-host-1")
-    assert not os.path.exists(f"/dev/shm/{stale}") and os.path.exists(f"/dev/shm/{second.handle()['name']}")
-    assert os.path.exists(f"/dev/shm/{other.handle()['name']}")  # another instance's segment is not touched
-    second.close()
-    other.close()
+    extra = f"/dev/shm/kvpool-test-host-1-{'f' * 16}"  # a second leftover (two crashes in a row)
+    open(extra, "wb").close()
+    second = KVStorage(ModelShape(**SHAPE), 4, pages=5, shared=True, instance="test-host-1")
+    try:
+        assert second.handle()["name"] == stale["name"] and second.epoch != stale["epoch"]
+        assert not os.path.exists(extra)
+        assert os.path.getsize(f"/dev/shm/{stale['name']}") == memory.segment_bytes(
+            second.shape.bytes_per_page(4), 5)
+        with pytest.raises(StaleHandle):
+            engine.check()
+        remapped = KVStorage.attach(second.handle())
+        new_fence = second.open_fence()
+        remapped.check(new_fence)
+        with pytest.raises(Fenced):
+            remapped.check(fence)  # a copy of the old sidecar's session
+        second.kv[4].fill_(3.0)
+        assert torch.equal(remapped.kv[4], second.kv[4])  # one pool, seen by both
+        second.close_fence(new_fence)
+        with pytest.raises(Fenced):
+            remapped.check(new_fence)
+        assert os.path.exists(f"/dev/shm/{other.handle()['name']}")  # another instance's segment is not touched
+        remapped.close()
+        engine.close()
+    finally:
+        second.close()
+        other.close()
 
 
 def test_a_pool_that_would_exceed_its_containers_memory_is_refused_naming_the_sizes():
-    from kvpool_sidecar.storage import memory
-
     gib = 2**30
     memory.check_fits(10 * gib, 20 * gib, (16 * gib, 2 * gib), 1000)  # fits both
     with pytest.raises(memory.PoolDoesNotFit, match=r"need 10.00 GiB of shared memory, and the shm mount has 5.00 GiB"):

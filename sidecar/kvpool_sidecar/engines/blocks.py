@@ -21,6 +21,7 @@ identity, so that an engine of another degree never meets these pages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,8 +163,12 @@ class PageCopier:
         for li in range(self.num_layers):
             self.load_layer(pool_kv, li, pages, blocks)
 
-    def save(self, pool_kv: torch.Tensor, blocks: list[int], pages: list[int]) -> None:
-        """Engine blocks -> pool pages, every layer."""
+    def save(self, pool_kv: torch.Tensor, blocks: list[int], pages: list[int],
+             guard: Callable[[], None] | None = None) -> None:
+        """Engine blocks -> pool pages, every layer; ``guard`` runs before each layer's write (it raises to
+        stop the save: the worker's check that the pages are still this session's to write)."""
         for li, layer in enumerate(self.layers):
+            if guard is not None:
+                guard()
             pool_ids, engine_ids = self._row_ids(pages, blocks, li, layer)
             self._move(layer.rows, engine_ids, self._pool_rows(pool_kv, layer.parts), pool_ids)

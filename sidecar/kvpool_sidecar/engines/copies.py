@@ -7,10 +7,10 @@ behind an earlier step's saves.
 On CPU one thread runs a lane's jobs: torch's gathers and scatters release the GIL, so they overlap
 the engine's forward. On CUDA the same thread issues each job on a copy stream of its own, after an
 event recorded on the engine's stream when the job was submitted (the forward that wrote the blocks
-may still be running there), and waits for that stream before completing the future. The pool's host
-segment is registered with the device (``cudaHostRegister``) while a worker maps it, so transfers
-from and to it run as DMA, staged through page-locked buffers for the gathers. The CUDA calls of the
-engine path are here and nowhere else.
+may still be running there), and waits for that stream before completing the future (also when the
+job raised). Transfers between the device and the pool's host segment go through page-locked staging
+buffers (the pool side is a host gather or scatter), so the segment itself is not registered with the
+device. The CUDA calls of the engine path are here and nowhere else.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ class CopyQueue:
     def __init__(self, device: torch.device, name: str = "kvpool-copy") -> None:
         self.cuda = device.type == "cuda"
         self._stream: Any = torch.cuda.Stream(device) if self.cuda else None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        # The lane's thread makes its CUDA calls on the engine's device (a thread's current device is
+        # device 0 until set: a rank on another GPU would create a context there).
+        init = (lambda: torch.cuda.set_device(device)) if self.cuda else None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=init)
 
     def submit(self, job: Callable[[], T]) -> Future[T]:
         """Run ``job`` after every job submitted before it (and, on CUDA, after the work the engine has
@@ -40,11 +43,12 @@ class CopyQueue:
         stream = self._stream
 
         def on_stream() -> T:
-            with torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                out = job()
-            stream.synchronize()
-            return out
+            try:
+                with torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    return job()
+            finally:  # also when the job raised: its future completes only once nothing of it runs
+                stream.synchronize()
 
         return self._thread.submit(on_stream)
 
@@ -53,29 +57,8 @@ class CopyQueue:
         self._thread.shutdown(wait=True)
 
 
-def register_host(memory: torch.Tensor, cuda: bool) -> Callable[[], None]:
-    """Register a mapped pool segment with the device (page-locked: the DMA engine reads and writes it
-    directly); returns what undoes it. A no-op without CUDA. A segment the driver refuses stays usable,
-    pageable (logged by the caller through the exception)."""
-    if not cuda:
-        return _nothing
-    cudart = torch.cuda.cudart()
-    ptr, size = memory.data_ptr(), memory.numel() * memory.element_size()
-    err = cudart.cudaHostRegister(ptr, size, 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {size} bytes failed ({err})")
-
-    def unregister() -> None:
-        cudart.cudaHostUnregister(ptr)
-
-    return unregister
-
-
 def host_staging(rows: int, row_len: int, dtype: torch.dtype, cuda: bool) -> torch.Tensor:
     """A host buffer for one transfer's gathered rows: page-locked beside a CUDA engine (so the transfer
     is asynchronous DMA; torch's host allocator caches these and keeps one alive until its copy is done)."""
     return torch.empty((rows, row_len), dtype=dtype, pin_memory=cuda)
 
-
-def _nothing() -> None:
-    return None

@@ -45,7 +45,10 @@ from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLi
 
 log = logging.getLogger("kvpool.engine")
 META_FIELDS = ("tenant", "workload_class", "request_type", "turn", "user")
-MAX_PENDING_STEPS = 1024  # steps whose worker report is awaited (an engine has a handful in flight)
+# Steps whose worker report is awaited (an engine has a handful in flight). A full table plans no new
+# saves and promises no new loads until reports come: it never forgets a step (a dropped step's failed
+# save would let a later step's commit publish pages that were never written).
+MAX_PENDING_STEPS = 1024
 STEP_TIME_CAP = 1.0  # seconds: a gap between plans longer than this is an idle engine, not a step
 LATE_WARNING_EVERY = 60.0  # seconds: lookups past their budget are logged at most this often, with their count
 
@@ -57,6 +60,7 @@ class LoadJob:
     pages: list[int]  # pool pages, in prompt order
     blocks: list[int]  # the engine blocks they go into
     valid: bool = True  # False: the admission's session ended; the worker reports the blocks failed
+    fence: tuple[int, int] | None = None  # the admission's session fence (the worker checks it)
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class SaveJob:
     epoch: int
     pages: list[int]  # pool pages the sidecar allocated for these blocks
     blocks: list[int]  # engine blocks whose KV is complete after this step
+    fence: tuple[int, int] | None = None  # the admission's session fence: no page is written once it moved
 
 
 @dataclass
@@ -111,6 +116,7 @@ class _Request:
     future: Future | None = None
     page_ids: list[int] = field(default_factory=list)
     epoch: int | None = None
+    fence: tuple[int, int] | None = None
     generation: int = 0  # the link connection its admission lives on
     pool_pages: int = 0  # leading pages the pool held at admission
     local_tokens: int = 0
@@ -120,6 +126,7 @@ class _Request:
     saved: int = 0  # pages [0, saved) are in the pool or being saved
     save_failed: bool = False  # nothing past a failed save is committed
     in_flight: int = 0  # steps with its loads or saves whose worker report is awaited
+    ended: bool = False  # the engine is done with this admission (finished, or preempted and back): no more plans
     # With KV events: the engine's request and its block hashes, and how many of its pages the sidecar
     # says are published (written on the link's thread only, in reply order).
     source: Any = None
@@ -132,8 +139,12 @@ class _Request:
 
     @property
     def transfers_over(self) -> bool:
-        """Nothing of its admission is still to be read or written: its pages can go back."""
-        return self.in_flight == 0 and self.load is None and (self.saved >= self.num_pages or self.save_failed)
+        """Nothing of its admission is still to be read or written: its pages can go back. A copy the
+        worker has not reported may still read a hit page or write a fresh one, whatever the engine did
+        with the request meanwhile: until it is reported, the pages stay held."""
+        if self.in_flight:
+            return False
+        return self.ended or (self.load is None and (self.saved >= self.num_pages or self.save_failed))
 
 
 class SchedulerSide:
@@ -209,7 +220,7 @@ class SchedulerSide:
             req.generation = gen
             req.page_ids = result.page_ids
             req.num_pages = min(req.num_pages, len(result.page_ids))  # a pool under pressure admits fewer
-            req.epoch = result.epoch
+            req.epoch, req.fence = result.epoch, result.fence
             req.pool_pages = result.cached_tokens // self.block_size
             req.saved = req.published = req.pool_pages
             if self.events is not None and req.pool_pages:
@@ -218,9 +229,14 @@ class SchedulerSide:
                 log.warning("kvpool: the sidecar keeps no KV storage (start it with --kv-shape): nothing to load")
                 self._release(req)
                 return 0
-        if req.epoch is None:
+        if req.epoch is None or self.backlogged:  # a full table promises no load it could not track
             return 0
         return loadable_tokens(req.pool_pages, local_tokens, prompt_len, self.block_size)
+
+    @property
+    def backlogged(self) -> bool:
+        """The worker has left :data:`MAX_PENDING_STEPS` steps unreported: nothing new is moved."""
+        return len(self._order) >= MAX_PENDING_STEPS
 
     def _admit(self, req_id: str, block_hashes: list[bytes], prompt_len: int,
                params: dict[str, Any] | None, adapter: str = "") -> _Request:
@@ -307,6 +323,7 @@ class SchedulerSide:
         bs = self.block_size
         live = self.link.generation
         pending: list[tuple[str, _Request, int | None]] = []
+        saving = not self.backlogged
         for req_id, block_ids, replace, computed, scheduled_tokens in scheduled:
             req = self._requests.get(req_id)
             if req is None or req.epoch is None:
@@ -321,14 +338,14 @@ class SchedulerSide:
                 # A load promised on a connection that is gone must not read pages the sidecar freed:
                 # the worker reports those blocks failed and the engine recomputes them.
                 plan.loads.append(LoadJob(req_id, req.epoch, req.page_ids[first : first + count],
-                                          req.blocks[first : first + count], valid))
+                                          req.blocks[first : first + count], valid, req.fence))
                 loading = valid
             if not valid:
                 continue
             upto = min((computed + scheduled_tokens) // bs, req.num_pages, len(req.blocks))
-            if upto > req.saved and not req.save_failed:
+            if upto > req.saved and not req.save_failed and saving:
                 plan.saves.append(SaveJob(req_id, req.epoch, req.page_ids[req.saved : upto],
-                                          req.blocks[req.saved : upto]))
+                                          req.blocks[req.saved : upto], req.fence))
                 req.saved = upto
                 self._saved.add(req_id)
                 pending.append((req_id, req, upto))
@@ -341,8 +358,6 @@ class SchedulerSide:
                 req.in_flight += 1
             self._pending[plan.step] = pending
             self._order.append(plan.step)
-            while len(self._order) > MAX_PENDING_STEPS:  # a worker that never reports: commit nothing
-                self._pending.pop(self._order.popleft(), None)
         return plan
 
     def worker_done(self, done: StepDone) -> None:
@@ -383,20 +398,21 @@ class SchedulerSide:
     def finished(self, req_id: str) -> bool:
         """The engine is done with the request. True: it has saves whose copies may still read its
         blocks, so it finishes through the worker's ``finished_sending`` (and is released then, after its
-        commits); False: released now, and the engine frees its blocks at once (a request whose saves
-        were all written and reported, the common case, holds its blocks not a step longer than without
-        the tier)."""
+        commits); False: the engine frees its blocks at once (a request whose saves were all written and
+        reported, the common case, holds its blocks not a step longer than without the tier). Either
+        way its pool pages go back only once no copy of it is unreported (:meth:`_end`): a load still in
+        flight (an abort while its step runs, vLLM scheduling a step ahead) keeps reading its hit pages."""
         req = self._requests.pop(req_id, None)
         if req_id in self._saved:
             self._saved.discard(req_id)
             if req is not None and req.in_flight == 0 and req.load is None:
                 self._released.add(req_id)  # the worker forgets it with the next plan
-                self._release(req)
+                self._end(req)
                 return False
             self._finishing[req_id] = req
             return True
         if req is not None:
-            self._release(req)
+            self._end(req)
         return False
 
     def sent(self, req_ids: set[str] | None) -> None:
@@ -404,13 +420,20 @@ class SchedulerSide:
         for req_id in req_ids or ():
             req = self._finishing.pop(req_id, None)
             if req is not None:
-                self._release(req)
+                self._end(req)
 
     def _forget(self, req_id: str, req: _Request) -> None:
-        """A preempted request starts over: its old sequence goes (commits still in flight for it are
-        refused, which only loses those saves)."""
+        """A preempted request starts over with a fresh admission: the old one ends (its saves still in
+        flight are committed or failed as the worker reports them, and then it is released)."""
         del self._requests[req_id]
-        self._release(req)
+        self._end(req)
+
+    def _end(self, req: _Request) -> None:
+        """No more copies are planned for this admission: released now, or by :meth:`worker_done` once
+        the worker has reported the copies still in flight (the one rule for when its pages go back)."""
+        req.ended = True
+        if req.transfers_over:
+            self._release(req)
 
     def _release(self, req: _Request) -> None:
         if req.future is not None:

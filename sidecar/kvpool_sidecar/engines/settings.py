@@ -37,6 +37,11 @@ class ConnectorSettings(BaseModel):
         default=False, description="take tenant, class, turn and user from a request's kv_transfer_params "
         "(a client's OpenAI body): only where a gateway strips and sets them")
     kernels: Literal["triton", "triton-interpreter", "torch"] | None = None
+    max_save_backlog_ms: Annotated[float, Field(ge=0, le=60_000)] = Field(
+        default=1000.0, description="back-pressure on the save lane: a step's saves are skipped (counted as "
+        "save_skipped, never queued) while the oldest queued save has waited longer than this, so the lane "
+        "never falls further behind the engine and a finished request's blocks wait for it about this long "
+        "at most")
     kv_events: bool = Field(
         default=False, description="publish kvpool's tier as the engine's KV events (BlockStored and "
         "BlockRemoved with medium CPU), merged into vLLM's own stream (its --kv-events-config)")

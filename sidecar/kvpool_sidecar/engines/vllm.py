@@ -138,8 +138,8 @@ class KVPoolConnector(KVConnectorBase_V1):
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a save that does not happen is a future miss, so a request preempted with
-        saves pending may finish normally (vLLM recomputes it otherwise). Its queued saves still read its
-        freed blocks: :meth:`handle_preemptions` waits for them before the step that may reuse them."""
+        saves pending may finish normally (vLLM recomputes it otherwise). Its queued saves would read its
+        freed blocks: :meth:`handle_preemptions` cancels them (reported failed, never committed)."""
         return False
 
     # ================================================================== scheduler side
@@ -226,7 +226,8 @@ class KVPoolConnector(KVConnectorBase_V1):
         socket_path, hello, timeout = self.settings.socket, self._hello, self.settings.timeout_s
         rank = get_tensor_model_parallel_rank() if self.ranks > 1 else 0
         self._worker = WorkerSide(lambda: fetch_welcome(socket_path, hello, timeout), layers, self.block_size,
-                                  backend=self.settings.kernels, rank=rank, ranks=self.ranks)
+                                  backend=self.settings.kernels, rank=rank, ranks=self.ranks,
+                                  max_save_backlog=self.settings.max_save_backlog_ms / 1000)
         self._worker.attach(strict=True)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

@@ -5,6 +5,10 @@ Safety rules (a wrong KV page is a wrong answer):
   mapping of that epoch (re-mapping when the sidecar restarted), else the job fails: a failed load is
   reported so the engine recomputes those blocks, a failed save is reported so that the scheduler never
   commits it (nor anything of that request after it);
+* every job names its session's fence word in the pool's header, which the sidecar clears the moment the
+  session's connection ends: a save checks it before each layer it writes and a load after it has read,
+  so once the sidecar may hand the session's pages on (its quarantine over) nothing of this engine
+  writes them, and nothing read from them is used;
 * the worker never commits: it reports each step whose saves are written (:class:`~.scheduler.StepDone`,
   through the engine's own worker-to-scheduler metadata, which vLLM aggregates over its ranks) and the
   scheduler commits a step's saves once every rank has reported it, none of them failed (a
@@ -14,10 +18,12 @@ Safety rules (a wrong KV page is a wrong answer):
   their commits and the engine keeps their blocks until the copy has read them.
 
 Saves are asynchronous: ``save`` queues the step's copies (:mod:`.copies`: a thread here, a copy stream
-on CUDA) and returns, so the engine's next step runs while they are written. A block being read by a
-queued save is the engine's until the save completes: a finished request's blocks are held through
-``finished_sending`` (above); a preempted request's are freed at once, so ``preempted`` waits for its
-saves before the step that may reuse them.
+on CUDA) and returns, so the engine's next step runs while they are written. The lane is bounded in
+time: while its oldest queued save has waited longer than ``max_save_backlog`` a step's saves are
+skipped, reported failed (``save_skipped``). A block being read by a queued save is the engine's until
+the save completes: a finished request's blocks are held through ``finished_sending`` (above); a
+preempted request's are freed at once, so ``preempted`` cancels its queued saves (reported failed, never
+committed: a copy under way may read blocks the next step rewrites) and returns without waiting.
 
 Loads feed the step's own forward: ``start_loads`` queues them layer by layer on a lane of their own
 (never behind the saves) and returns; each attention layer waits for its own layer's rows
@@ -33,15 +39,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import EngineLayer, LayoutError, PageCopier, check_compatible
-from kvpool_sidecar.engines.copies import CopyQueue, register_host
+from kvpool_sidecar.engines.copies import CopyQueue
 from kvpool_sidecar.engines.link import Backoff, Refused, SidecarDown
 from kvpool_sidecar.engines.scheduler import LoadJob, SaveJob, StepDone, StepPlan
 from kvpool_sidecar.storage import KVStorage, StaleHandle
@@ -53,9 +60,10 @@ _Job = TypeVar("_Job", LoadJob, SaveJob)
 
 @dataclass
 class _Loading:
-    """One step's loads from one pool, queued layer by layer."""
+    """One step's loads from one pool and session, queued layer by layer."""
 
     mapped: AttachedKV
+    fence: tuple[int, int] | None
     jobs: int
     pages: int
     blocks: list[int]
@@ -64,17 +72,22 @@ class _Loading:
 
 @dataclass
 class _Flight:
-    """One step's saves of one pool, queued: done when ``written`` is (True: every page written)."""
+    """One step's saves of one pool and session, queued: done when ``written`` is (the requests whose
+    save failed). ``cancelled``: requests preempted meanwhile, whose blocks the engine may rewrite."""
 
     step: int
     req_ids: list[str]
-    tokens: int
-    written: Future[bool]
+    tokens: dict[str, int]  # tokens each request's save moves
+    queued_at: float = 0.0
+    written: Future[set[str]] = field(default_factory=Future)
+    cancelled: set[str] = field(default_factory=set)
+    skipped: bool = False  # never queued: the lane was behind
 
 
 class WorkerSide:
     def __init__(self, welcome: Callable[[], wire.Welcome], layers: list[EngineLayer], block_size: int, *,
-                 backend: str | None = None, backoff: Backoff | None = None, rank: int = 0, ranks: int = 1) -> None:
+                 backend: str | None = None, backoff: Backoff | None = None, rank: int = 0, ranks: int = 1,
+                 max_save_backlog: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.welcome = welcome  # the sidecar's storage handle, fetched on the channel
         self.layers = layers
         self.block_size = block_size
@@ -82,6 +95,8 @@ class WorkerSide:
         self.counts_tokens = rank == 0  # tokens moved are counted once, by the first rank (failures by each)
         self.copier = PageCopier(layers, backend, rank, ranks)
         self.backoff = backoff or Backoff("sidecar (worker)")
+        self.max_save_backlog = max_save_backlog  # seconds the oldest queued save may wait before saves are skipped
+        self.clock = clock
         self.done = StepDone()  # what the next worker metadata carries
         self.copies = CopyQueue(layers[0].rows.device, "kvpool-save")
         self.loads = CopyQueue(layers[0].rows.device, "kvpool-load")
@@ -89,7 +104,6 @@ class WorkerSide:
         self._loading: list[_Loading] = []  # the step's loads, queued
         self._load_failed: set[int] = set()  # the step's blocks known failed before any copy
         self._load_failures = 0  # ... and their jobs
-        self._unregister: dict[int, Callable[[], None]] = {}  # id(mapping) -> undo its device registration
         self._flights: deque[_Flight] = deque()  # saves queued, oldest first
         self._saved: set[str] = set()  # requests that had a save job (they finish through finished_sending)
         self._finishing: set[str] = set()  # of those, finished by the engine, a save still in flight
@@ -138,18 +152,10 @@ class WorkerSide:
             self._incompatible = str(exc)
             raise
         self._incompatible = None
-        mapped = KVStorage.attach(welcome.storage)
-        try:
-            self._unregister[id(mapped)] = register_host(mapped.kv, self.copies.cuda)
-        except RuntimeError as exc:  # still usable, from pageable memory
-            log.warning("kvpool: the pool stays pageable memory for this engine's copies: %s", exc)
-        return mapped
+        return KVStorage.attach(welcome.storage)
 
     def _close(self, mapped: AttachedKV) -> None:
         """Unmap a pool (after every copy that used it)."""
-        undo = self._unregister.pop(id(mapped), None)
-        if undo is not None:
-            undo()
         mapped.close()
 
     def _mapping(self, epoch: int) -> AttachedKV | None:
@@ -199,7 +205,7 @@ class WorkerSide:
             if not job.valid:
                 self._load_failed.update(job.blocks)
                 self._load_failures += 1
-        for epoch, group in _by_epoch([job for job in jobs if job.valid]).items():
+        for (epoch, fence), group in _by_pool([job for job in jobs if job.valid]).items():
             mapped = self._mapping(epoch)
             pages = [p for job in group for p in job.pages]
             blocks = [b for job in group for b in job.blocks]
@@ -210,7 +216,7 @@ class WorkerSide:
             copy = self.copier.load_layer
             layers = [self.loads.submit(lambda li=li, kv=mapped.kv, pg=pages, bl=blocks, c=copy: c(kv, li, pg, bl))
                       for li in range(len(self.layers))]
-            self._loading.append(_Loading(mapped, len(group), len(pages), blocks, layers))
+            self._loading.append(_Loading(mapped, fence, len(group), len(pages), blocks, layers))
 
     def wait_layer(self, name: str) -> None:
         """Return once layer ``name``'s rows of the step's loads are in place (every layer's, for a name
@@ -232,8 +238,8 @@ class WorkerSide:
         for loading in self._loading:
             errors = [exc for exc in (f.exception() for f in loading.layers) if exc is not None]
             if not errors:
-                try:
-                    loading.mapped.check()  # the pool closed meanwhile: what was read may be gone
+                try:  # the pool closed or the session ended meanwhile: what was read may be another's
+                    loading.mapped.check(loading.fence)
                 except StaleHandle as exc:
                     errors.append(exc)
             if errors:
@@ -251,32 +257,55 @@ class WorkerSide:
         return failed
 
     def save(self, plan: StepPlan) -> None:
-        """Queue the step's save jobs: one gather and scatter per layer for all of them (per pool), run
-        off the forward path; the step is reported done once they are written (or failed)."""
+        """Queue the step's save jobs: one gather and scatter per layer for all of them (per pool and
+        session), run off the forward path; the step is reported done once they are written (or failed).
+        Skipped, reported failed, while the lane is more than ``max_save_backlog`` behind."""
         for job in plan.saves:
             self._saved.add(job.req_id)
-        for epoch, group in _by_epoch(plan.saves).items():
+        now = self.clock()
+        skip = self._behind(now)
+        for (epoch, fence), group in _by_pool(plan.saves).items():
             req_ids = [job.req_id for job in group]
-            tokens = sum(len(job.pages) for job in group) * self.block_size
-            mapped = self._mapping(epoch)
-            if mapped is None:
-                written: Future[bool] = Future()
-                written.set_result(False)
+            tokens = {job.req_id: len(job.pages) * self.block_size for job in group}
+            flight = _Flight(plan.step, req_ids, tokens, now)
+            mapped = None if skip else self._mapping(epoch)
+            if skip:
+                self.done.report.fail("save_skipped", len(group))
+                flight.skipped = True
+                flight.written.set_result(set(req_ids))
+            elif mapped is None:
+                flight.written.set_result(set(req_ids))
             else:
-                written = self.copies.submit(lambda m=mapped, g=group: self._write(m, g))
-            self._flights.append(_Flight(plan.step, req_ids, tokens, written))
-        self._flights.append(_Flight(plan.step, [], 0, _DONE))  # the step's report, after its saves
+                copied = self.copies.submit(lambda m=mapped, g=group, f=fence, fl=flight: self._write(m, g, f, fl))
+                flight.written = copied
+            self._flights.append(flight)
+        self._flights.append(_Flight(plan.step, [], {}, now, _DONE))  # the step's report, after its saves
 
-    def _write(self, mapped: AttachedKV, group: list[SaveJob]) -> bool:
-        """On the copy queue: the group's blocks into their pages; False when that failed."""
-        pages = [p for job in group for p in job.pages]
-        try:
-            self.copier.save(mapped.kv, [b for job in group for b in job.blocks], pages)
-            mapped.check()
-        except (StaleHandle, RuntimeError, IndexError) as exc:
-            log.warning("kvpool: saving %d pages of %d requests failed (%s)", len(pages), len(group), exc)
-            return False
-        return True
+    def _behind(self, now: float) -> bool:
+        """The oldest save still queued has waited longer than ``max_save_backlog``."""
+        self._harvest()
+        oldest = next((f for f in self._flights if f.req_ids and not f.written.done()), None)
+        return oldest is not None and now - oldest.queued_at > self.max_save_backlog
+
+    def _write(self, mapped: AttachedKV, group: list[SaveJob], fence: tuple[int, int] | None,
+               flight: _Flight) -> set[str]:
+        """On the copy queue: the group's blocks into their pages, every layer after a check that the pool
+        is live and the session's fence stands; returns the requests whose save failed (all of them when
+        a copy failed, those preempted before or while it ran)."""
+        live = [job for job in group if job.req_id not in flight.cancelled]
+        pages = [p for job in live for p in job.pages]
+        failed: set[str] = set()
+        if live:
+            try:
+                self.copier.save(mapped.kv, [b for job in live for b in job.blocks], pages,
+                                 lambda: mapped.check(fence))
+                mapped.check(fence)
+            except (StaleHandle, RuntimeError, IndexError) as exc:
+                log.warning("kvpool: saving %d pages of %d requests failed (%s)", len(pages), len(live), exc)
+                failed.update(job.req_id for job in live)
+        # Read after the copy returned (its device reads done): a request preempted before that point may
+        # have had its blocks rewritten under the copy.
+        return failed | flight.cancelled
 
     def _harvest(self) -> None:
         """Move the saves written since the last call (oldest first, as the queue runs them) into the
@@ -287,26 +316,25 @@ class WorkerSide:
                 self.done.steps[flight.step] = self.done.steps.get(flight.step, 0) + 1
                 continue
             try:
-                ok = flight.written.result()
+                failed = flight.written.result()
             except Exception as exc:  # a copy that raised what _write does not expect: a failed save
                 log.warning("kvpool: a save failed (%s)", exc)
-                ok = False
-            if not ok:
-                for req_id in flight.req_ids:
-                    self.done.failed_saves.add((flight.step, req_id))
-                    self.done.report.fail("save")
-            elif self.counts_tokens:
-                self.done.report.saved_tokens += flight.tokens
+                failed = set(flight.req_ids)
+            for req_id in failed:
+                self.done.failed_saves.add((flight.step, req_id))
+            if failed and not flight.skipped:  # skipped ones were counted as such when skipped
+                self.done.report.fail("save", len(failed))
+            if self.counts_tokens:
+                self.done.report.saved_tokens += sum(n for req_id, n in flight.tokens.items() if req_id not in failed)
 
     def preempted(self, req_ids: set[str]) -> None:
-        """The engine freed these requests' blocks (preemption) and may reuse them in this step: wait for
-        the queued saves that read them."""
-        last = None
+        """The engine freed these requests' blocks (preemption) and may reuse them in this step: their
+        queued saves are cancelled (reported failed, never committed), and a copy of them under way is
+        reported failed too, whatever it read. Returns at once: the forward path never waits for the lane."""
         for flight in self._flights:
-            if req_ids.intersection(flight.req_ids):
-                last = flight
-        if last is not None:
-            last.written.exception()  # waits; the queue runs in order, so every save before it is done too
+            hit = req_ids.intersection(flight.req_ids)
+            if hit:
+                flight.cancelled |= hit
 
     def take_done(self) -> StepDone | None:
         """The steps whose saves are written since the last call (for the engine's worker metadata), or
@@ -343,13 +371,14 @@ class WorkerSide:
         self._mapped = self._fresh = None
 
 
-_DONE: Future[bool] = Future()
-_DONE.set_result(True)
+_DONE: Future[set[str]] = Future()
+_DONE.set_result(set())
 
 
-def _by_epoch(jobs: list[_Job]) -> dict[int, list[_Job]]:
-    """Jobs grouped by the pool they name (a step's jobs name one, but for a sidecar restart), in order."""
-    out: dict[int, list[_Job]] = {}
+def _by_pool(jobs: list[_Job]) -> dict[tuple[int, tuple[int, int] | None], list[_Job]]:
+    """Jobs grouped by the pool and session fence they name (a step's jobs name one, but for a sidecar
+    restart or a reconnected link), in order."""
+    out: dict[tuple[int, tuple[int, int] | None], list[_Job]] = {}
     for job in jobs:
-        out.setdefault(job.epoch, []).append(job)
+        out.setdefault((job.epoch, job.fence), []).append(job)
     return out

@@ -18,7 +18,11 @@ connection ends (the engine exited, crashed or was killed, or its link failed a 
 sequences lapse (``kvpool_engine_lapsed_sequences_total``), but are released only after the quarantine
 (``quarantine`` seconds, ``kvpool_engine_quarantined_pages``): its engine's worker may still be copying
 into their fresh pages or out of their hit pages for a step or two, and until the quarantine ends no
-other writer can be handed those pages, nor can they be evicted.
+other writer can be handed those pages, nor can they be evicted. What bounds "a step or two" is the
+session's fence (:meth:`~kvpool_sidecar.storage.KVStorage.open_fence`), cleared the moment the
+connection ends: the worker checks it before each layer it writes, so however many saves it still has
+queued, at most the one layer copy under way when the session ended writes after that; and a load
+checked after its read read nothing the sidecar had handed on.
 
 Keys: block hashes are namespaced by the session's model identity (model, revision, dtype, KV layout:
 the connector's ``model``), so an engine serving other weights never loads another model's pages.
@@ -54,6 +58,7 @@ from kvpool_sidecar.service.credentials import Credentials, Principal
 from kvpool_sidecar.service.http import ApiError, error_name, workload_meta
 from kvpool_sidecar.service.removals import RemovalFeed
 from kvpool_sidecar.service.state import HEAVY_PAGES, Sidecar
+from kvpool_sidecar.storage import NoFenceSlot
 
 log = logging.getLogger("kvpool.sidecar")
 HELLO_TIMEOUT = 5.0  # seconds a new connection has to say who it is
@@ -73,6 +78,7 @@ class Session:
         self.ns = namespace(model)
         self.live: set[str] = set()
         self.feed: RemovalFeed | None = None
+        self.fence: tuple[int, int] | None = None  # its copies' fence word in the pool (a scheduler's)
         self.ended = asyncio.Event()
 
 
@@ -184,6 +190,12 @@ class EngineChannel:
                     refuse("session_in_use", f"session {msg.session!r} is connected: a connection takes a session "
                            "id only once the connection that holds it has ended", "session")
                     return None
+            if self.sidecar.storage is not None:
+                try:
+                    session.fence = self.sidecar.storage.open_fence()
+                except NoFenceSlot as exc:
+                    refuse("too_many_sessions", str(exc), "session")
+                    return None
             if msg.events:
                 session.feed = self.sidecar.removals.follow(session.ns)
             if msg.hashing is not None:
@@ -216,6 +228,9 @@ class EngineChannel:
         """The session's connection is gone: what it held lapses, into quarantine."""
         session.ended.set()
         sc = self.sidecar
+        if sc.storage is not None:  # first: its engine's queued copies stop at their next check
+            sc.storage.close_fence(session.fence)
+            session.fence = None
         if session.feed is not None:
             sc.removals.unfollow(session.feed)
             session.feed = None
@@ -322,7 +337,7 @@ class EngineChannel:
             result = sc.admit(adm.seq_id, None, keys[:fits], min(adm.num_tokens, fits * ps), meta,
                               owner=session.who)
         session.live.add(adm.seq_id)
-        return wire.Admitted(result.page_ids, result.num_cached_tokens, sc.storage_epoch)
+        return wire.Admitted(result.page_ids, result.num_cached_tokens, sc.storage_epoch, session.fence)
 
 
 @functools.lru_cache(maxsize=1024)

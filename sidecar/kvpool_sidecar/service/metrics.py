@@ -138,7 +138,7 @@ class SidecarMetrics:
             self.transfer_pages.labels(direction)
         for direction in ("loaded", "saved"):
             self.connector_tokens.labels(direction)
-        for operation in ("lookup", "load", "save"):
+        for operation in ("lookup", "load", "save", "save_skipped"):
             self.connector_failures.labels(operation)
         for kind in ("stored", "removed"):
             self.connector_kv_events.labels(kind)

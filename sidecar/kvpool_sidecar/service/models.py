@@ -225,7 +225,7 @@ class EngineReport(_Wire):
     loaded_tokens: Annotated[int, Field(ge=0, le=2**40)] = 0
     saved_tokens: Annotated[int, Field(ge=0, le=2**40)] = 0
     lookup_seconds: list[Annotated[float, Field(ge=0, le=3600)]] = Field(default_factory=list, max_length=4096)
-    failures: dict[Literal["lookup", "load", "save"], Annotated[int, Field(ge=0, le=2**40)]] = Field(
+    failures: dict[Literal["lookup", "load", "save", "save_skipped"], Annotated[int, Field(ge=0, le=2**40)]] = Field(
         default_factory=dict)
     events: dict[Literal["stored", "removed"], Annotated[int, Field(ge=0, le=2**40)]] = Field(
         default_factory=dict)

@@ -1,6 +1,6 @@
 """KV storage: the pool's pages as torch tensors, Triton kernels that move KV in and out of them."""
 
 from kvpool_sidecar.storage.backend import Backend, choose_backend
-from kvpool_sidecar.storage.tensors import KVStorage, ModelShape, StaleHandle
+from kvpool_sidecar.storage.tensors import Fenced, KVStorage, ModelShape, NoFenceSlot, StaleHandle
 
-__all__ = ["Backend", "KVStorage", "ModelShape", "StaleHandle", "choose_backend"]
+__all__ = ["Backend", "Fenced", "KVStorage", "ModelShape", "NoFenceSlot", "StaleHandle", "choose_backend"]

@@ -37,7 +37,9 @@ class PoolDoesNotFit(ValueError):
     """The pool's segment does not fit where it must live (the message names the sizes and the fix)."""
 
 
-SEGMENT_HEADER_BYTES = 64  # the segment's header before the first page (storage/tensors.py keeps it)
+# The segment's header before the first page (storage/tensors.py keeps it): the magic number and the
+# pool's epoch, then the engine sessions' fences (one 8-byte word each), padded to a 4 KiB boundary.
+SEGMENT_HEADER_BYTES = 16 << 10
 
 
 def segment_bytes(bytes_per_page: int, pages: int) -> int:

@@ -8,14 +8,24 @@ Handshake (the engine's side is :meth:`KVStorage.attach`):
 2. The engine attaches: on CPU it maps the named POSIX shared-memory segment (on CUDA it would open
    a CUDA IPC handle: not built yet). Both sides then address the same bytes; page ids from the pool
    API index it.
-3. The segment starts with a header holding a magic number and the epoch. A sidecar restart
-   allocates a new segment with a new epoch (the old name is unlinked): an engine that attaches with
-   an old handle, or whose mapping outlived the pool, gets :class:`StaleHandle` and must fetch a new
-   handle (its cached pages are gone with the old pool anyway).
+3. The segment starts with a header holding a magic number and the epoch. A sidecar restart makes a
+   new pool with a new epoch: an engine that attaches with an old handle, or whose mapping outlived the
+   pool, gets :class:`StaleHandle` and must fetch a new handle (its cached pages are gone with the old
+   pool anyway). A restart of a named instance takes over its killed predecessor's segment (the same
+   file, a new epoch in its header) rather than allocating a second one beside it: an engine still
+   mapping the old pool keeps its pages allocated in the shm volume, and a second segment might not
+   fit there until that engine lets go, which it does only once a sidecar answers it.
+4. After the epoch, the header holds one *fence* word per engine session (:data:`FENCE_SLOTS`): the
+   sidecar writes a session's word when the session starts and clears it the moment the session's
+   connection ends, and every copy the session's engine planned names its word and value. A worker
+   checks them before each layer it writes and after each load it reads, so an engine whose session
+   ended (its link failed, the sidecar restarted) stops writing pages the sidecar will hand to another
+   writer once the session's quarantine ends, however many of its saves are still queued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import struct
@@ -31,7 +41,10 @@ from kvpool_sidecar.storage.backend import Backend, choose_backend
 
 MAGIC = 0x4B56504F4F4C3031  # "KVPOOL01"
 HEADER = struct.Struct("<QQ")  # magic, epoch
-HEADER_BYTES = memory.SEGMENT_HEADER_BYTES  # 64: keeps the data 64-byte aligned
+HEADER_BYTES = memory.SEGMENT_HEADER_BYTES  # keeps the data 4 KiB aligned
+FENCE = struct.Struct("<Q")
+FENCE_OFFSET = 64
+FENCE_SLOTS = (HEADER_BYTES - FENCE_OFFSET) // FENCE.size  # engine sessions live at once
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 if hasattr(torch, "float8_e4m3fn"):
@@ -40,6 +53,14 @@ if hasattr(torch, "float8_e4m3fn"):
 
 class StaleHandle(RuntimeError):
     """The handle names a pool that no longer exists (the sidecar restarted): fetch a new one."""
+
+
+class Fenced(StaleHandle):
+    """The session that planned a copy has ended: its pages may belong to another writer by now."""
+
+
+class NoFenceSlot(RuntimeError):
+    """Every fence word is held by a live engine session."""
 
 
 @dataclass(frozen=True)
@@ -101,19 +122,24 @@ class KVStorage:
         self.epoch = secrets.randbits(63)
         dims = (pages, shape.layers, 2, page_size, shape.kv_heads, shape.head_dim)
         self._shm: shared_memory.SharedMemory | None = None
+        self._fences: dict[int, int] = {}  # slot -> the value a live session's copies name
+        self._fence_serial = secrets.randbits(62)  # values differ from a predecessor's, whose engines may live
         if shared and self.device.type == "cpu":
             nbytes = memory.segment_bytes(shape.bytes_per_page(page_size), pages)
             prefix = f"kvpool-{instance}-" if instance else "kvpool-"
-            if instance:
-                remove_stale_segments(prefix)
-            memory.check_fits(nbytes, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
-            self._shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{prefix}{self.epoch:x}")
-            try:
-                memory.reserve(os.path.join(SHM_DIR, self._shm.name.lstrip("/")), nbytes)  # zeros, not written
-            except memory.PoolDoesNotFit:
-                self._shm.close()
-                self._shm.unlink()
-                raise
+            stale = take_over_stale_segment(prefix, nbytes, pages) if instance else None
+            if stale is not None:
+                self._shm = stale
+            else:
+                memory.check_fits(nbytes, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
+                self._shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{prefix}{self.epoch:x}")
+                try:
+                    memory.reserve(_shm_path(self._shm), nbytes)  # zeros, not written
+                except memory.PoolDoesNotFit:
+                    self._shm.close()
+                    self._shm.unlink()
+                    raise
+            self._shm.buf[FENCE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - FENCE_OFFSET)  # no session yet
             HEADER.pack_into(self._shm.buf, 0, MAGIC, self.epoch)
             self.kv = _tensor_on(self._shm, dims, shape.torch_dtype)
         else:
@@ -176,6 +202,28 @@ class KVStorage:
             raise TypeError(f"buffer dtype {buffer.dtype} is not the pool's {self.kv.dtype}")
         self._kernels.scatter_pages(self.kv, ids, buffer.to(self.device).view(len(ids), row))
 
+    # --------------------------------------------------------------------------------- fences
+    def open_fence(self) -> tuple[int, int] | None:
+        """A fence word for a new engine session: (slot, value), the value never used before in this
+        pool; None for a pool no engine maps."""
+        if self._shm is None:
+            return None
+        slot = next((i for i in range(FENCE_SLOTS) if i not in self._fences), None)
+        if slot is None:
+            raise NoFenceSlot(f"{FENCE_SLOTS} engine sessions are connected: no fence word is free")
+        self._fence_serial += 1
+        self._fences[slot] = self._fence_serial
+        FENCE.pack_into(self._shm.buf, FENCE_OFFSET + slot * FENCE.size, self._fence_serial)
+        return slot, self._fence_serial
+
+    def close_fence(self, fence: tuple[int, int] | None) -> None:
+        """The session ended: from now on every copy it planned fails its next check (the word is cleared
+        before this returns; the slot is free for another session, whose value differs)."""
+        if fence is None or self._shm is None or self._fences.get(fence[0]) != fence[1]:
+            return
+        FENCE.pack_into(self._shm.buf, FENCE_OFFSET + fence[0] * FENCE.size, 0)
+        del self._fences[fence[0]]
+
     # -------------------------------------------------------------------------------- sharing
     def handle(self) -> dict[str, Any]:
         """What another process needs to attach (JSON-serialisable)."""
@@ -232,10 +280,18 @@ class AttachedKV:
         self.kv = kv
         self.epoch = epoch
 
-    def check(self) -> None:
+    def check(self, fence: tuple[int, int] | None = None) -> None:
+        """Raise :class:`StaleHandle` unless this mapping's pool is the sidecar's live one and, given a
+        session's ``fence`` (slot, value), :class:`Fenced` unless that session is still connected."""
         magic, epoch = HEADER.unpack_from(self._shm.buf, 0)
         if magic != MAGIC or epoch != self.epoch:
             raise StaleHandle(f"the pool's epoch is {epoch}, the handle's {self.epoch}: fetch a new handle")
+        if fence is not None:
+            slot, value = fence
+            at = FENCE_OFFSET + slot * FENCE.size
+            if not 0 <= slot < FENCE_SLOTS or FENCE.unpack_from(self._shm.buf, at)[0] != value:
+                raise Fenced("the engine session that planned this copy has ended: its pages may be another "
+                             "writer's by now")
 
     def close(self) -> None:
         del self.kv
@@ -245,28 +301,45 @@ class AttachedKV:
 SHM_DIR = "/dev/shm"
 
 
-def remove_stale_segments(prefix: str) -> list[str]:
-    """Unlink the segments an earlier run of this instance left (a SIGKILL runs no clean-up). An engine
-    still mapping one keeps its pages until it unmaps; its next job names the new epoch and remaps."""
+def take_over_stale_segment(prefix: str, nbytes: int, pages: int) -> shared_memory.SharedMemory | None:
+    """The segment an earlier run of this instance left (a SIGKILL runs no clean-up), resized to
+    ``nbytes`` and its pages allocated, for the caller to stamp with its own epoch; None when there is
+    none. Any others are unlinked. An engine still mapping the old pool shares the file's pages instead
+    of holding a second copy of them in the shm volume; its next job names the new epoch and remaps."""
     try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
     except OSError:
-        return []
-    for name in names:
-        try:
+        return None
+    for name in names[1:]:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(SHM_DIR, name))
-        except OSError:
-            pass
-    return names
+    if not names:
+        return None
+    path = os.path.join(SHM_DIR, names[0])
+    try:
+        grow = nbytes - os.stat(path).st_size
+        if grow > 0:  # a larger pool than before: the growth must fit beside what the file holds
+            memory.check_fits(grow, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
+        os.truncate(path, nbytes)
+        memory.reserve(path, nbytes)
+        return _open_untracked(names[0], track=True)
+    except FileNotFoundError:
+        return None
 
 
-def _open_untracked(name: str) -> shared_memory.SharedMemory:
+def _shm_path(shm: shared_memory.SharedMemory) -> str:
+    return os.path.join(SHM_DIR, shm.name.lstrip("/"))
+
+
+def _open_untracked(name: str, track: bool = False) -> shared_memory.SharedMemory:
     """Attach without adopting: before Python 3.13 the attaching process's resource tracker would
-    unlink the sidecar's segment when the engine exits."""
+    unlink the sidecar's segment when the engine exits. ``track``: adopt it (the sidecar taking over its
+    predecessor's segment owns it from now on)."""
     if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
+        return shared_memory.SharedMemory(name=name, track=track)  # type: ignore[call-arg]
     shm = shared_memory.SharedMemory(name=name)
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    if not track:
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
     return shm
 
 
