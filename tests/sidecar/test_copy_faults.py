@@ -5,6 +5,7 @@ session's link fails. Real sidecars on their engine channel, the connector's two
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kvpool_sidecar.engines import scheduler as scheduler_module
 from kvpool_sidecar.engines.blocks import engine_layers
@@ -184,3 +185,29 @@ def test_the_save_lane_skips_saves_rather_than_fall_further_behind():
         side.link.close()
         worker.close()
     storage.close()
+
+
+def test_a_sidecar_killed_beside_a_live_engine_restarts_in_a_nearly_full_shm_volume(tmp_path):
+    """A pod's memory volume (a 64 MiB tmpfs on /dev/shm, in a mount namespace of its own) holds a pool
+    of about 41 MiB. The sidecar is killed -9 while an engine maps the pool: the restarted sidecar must
+    start (a second segment beside the one the engine still maps would not fit), and the engine remaps
+    and saves and loads through it (tests/sidecar/small_shm_restart.py)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from support import free_port
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) (util-linux) to give the test a /dev/shm of its own")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.strip()}")
+    driver = Path(__file__).with_name("small_shm_restart.py")
+    script = (f"mount -t tmpfs -o size=64m tmpfs /dev/shm && "
+              f"exec {sys.executable} {driver} {free_port()} 1300 {tmp_path}")
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0 and "restarted and served" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

@@ -122,6 +122,7 @@ class KVStorage:
         self.epoch = secrets.randbits(63)
         dims = (pages, shape.layers, 2, page_size, shape.kv_heads, shape.head_dim)
         self._shm: shared_memory.SharedMemory | None = None
+        self._tracked = True  # the segment is this process's resource tracker's to unlink if it dies
         self._fences: dict[int, int] = {}  # slot -> the value a live session's copies name
         self._fence_serial = secrets.randbits(62)  # values differ from a predecessor's, whose engines may live
         if shared and self.device.type == "cpu":
@@ -129,10 +130,13 @@ class KVStorage:
             prefix = f"kvpool-{instance}-" if instance else "kvpool-"
             stale = take_over_stale_segment(prefix, nbytes, pages) if instance else None
             if stale is not None:
-                self._shm = stale
+                self._shm, self._tracked = stale, False
             else:
                 memory.check_fits(nbytes, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
                 self._shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{prefix}{self.epoch:x}")
+                if instance:  # left behind by a SIGKILL, for the restart to take over: not the tracker's to
+                    _untrack(self._shm)  # unlink when this process dies (close() unlinks it)
+                    self._tracked = False
                 try:
                     memory.reserve(_shm_path(self._shm), nbytes)  # zeros, not written
                 except memory.PoolDoesNotFit:
@@ -263,7 +267,7 @@ class KVStorage:
     def close(self) -> None:
         if self._shm is not None:
             HEADER.pack_into(self._shm.buf, 0, MAGIC, 0)  # mappings still open see a dead epoch
-            self._shm.unlink()  # first: the name goes even if a view of the tensor outlives this call
+            _unlink(self._shm, self._tracked)  # first: the name goes even if a view of the tensor outlives this call
             del self.kv
             try:
                 self._shm.close()
@@ -322,7 +326,7 @@ def take_over_stale_segment(prefix: str, nbytes: int, pages: int) -> shared_memo
             memory.check_fits(grow, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
         os.truncate(path, nbytes)
         memory.reserve(path, nbytes)
-        return _open_untracked(names[0], track=True)
+        return _open_untracked(names[0])
     except FileNotFoundError:
         return None
 
@@ -331,16 +335,32 @@ def _shm_path(shm: shared_memory.SharedMemory) -> str:
     return os.path.join(SHM_DIR, shm.name.lstrip("/"))
 
 
-def _open_untracked(name: str, track: bool = False) -> shared_memory.SharedMemory:
+def _open_untracked(name: str) -> shared_memory.SharedMemory:
     """Attach without adopting: before Python 3.13 the attaching process's resource tracker would
-    unlink the sidecar's segment when the engine exits. ``track``: adopt it (the sidecar taking over its
-    predecessor's segment owns it from now on)."""
+    unlink the sidecar's segment when the engine exits."""
     if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=track)  # type: ignore[call-arg]
+        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
     shm = shared_memory.SharedMemory(name=name)
-    if not track:
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    _untrack(shm)
     return shm
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    """Take a segment off this process's resource tracker, which would unlink it when the process dies
+    (a SIGKILL included: the tracker is a process of its own)."""
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    if hasattr(shm, "_track"):  # Python 3.13: its unlink() would unregister it again
+        shm._track = False
+
+
+def _unlink(shm: shared_memory.SharedMemory, tracked: bool) -> None:
+    """Unlink a segment (``SharedMemory.unlink`` also unregisters it, which the tracker of an untracked
+    one answers with an error on stderr)."""
+    if tracked or hasattr(shm, "_track"):
+        shm.unlink()
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_shm_path(shm))
 
 
 def _tensor_on(shm: shared_memory.SharedMemory, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
