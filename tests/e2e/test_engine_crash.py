@@ -1,8 +1,9 @@
 """An engine's life beside a live sidecar, under concurrent clients: the sidecar killed -9 and restarted
 mid-load fails no request and changes no token; vLLM's OpenAI server killed -9 with requests in flight
 (three times, the last with its saves' copies held back, so that it dies mid-copy) leaks nothing and
-publishes no page it had not written; a server restarted on other weights (same shape, same folder)
-never loads the old model's KV.
+publishes no page it had not written; with every save held back a second, a flood beyond the tier gets
+the tokens vLLM computes alone; a server restarted on other weights (same shape, same folder) never
+loads the old model's KV.
 
 Real processes: ``kvpool-sidecar serve`` and ``python -m vllm.entrypoints.openai.api_server`` with the
 connector, clients over HTTP. Each server start costs about 25 s.
@@ -230,10 +231,22 @@ def test_the_engine_survives_its_sidecar_and_its_own_crashes_and_never_loads_ano
             assert eventually(lambda: sidecar.metric(LOADED) > before)
         finally:
             crash_under_load(server, sidecar, 3000)  # kill 2
-        # Kill 3 with every save's copy held back a second: the engine dies with saves queued and their
-        # sequences held. Nothing of them is published: had a page been committed before its bytes were
-        # written, the next engine would load zeros there and answer other tokens.
+        # Every save's copy held back a second, and a flood beyond the tier (48 prompts of 14 blocks: 672
+        # pages through 600, each request's 15 blocks in vLLM's 80): the save lane skips what it cannot
+        # write in time (save_skipped), requests are preempted with saves queued, pages are evicted and
+        # reused; every answer is the one vLLM computes alone.
         server = Server(model, sidecar, tmp_path, slow_saves=True)
+        flood = [prompt(7000 + i, 14 * BLOCK + 5) for i in range(48)]
+        alone = load(server, flood, salted=True)
+        assert all(alone)
+        skipped = 'kvpool_connector_failures_total{operation="save_skipped"}'
+        before = sidecar.metric(skipped)
+        for _ in range(2):
+            assert load(server, flood) == alone
+        assert sidecar.metric(skipped) > before  # the back-pressure ran
+        # Kill 3 on that server: the engine dies with saves queued and their sequences held. Nothing of
+        # them is published: had a page been committed before its bytes were written, the next engine
+        # would load zeros there and answer other tokens.
         lapsed = sidecar.metric("kvpool_engine_lapsed_sequences_total")
         in_flight = crash_under_load(server, sidecar, 5000)  # kill 3
         assert sidecar.metric("kvpool_engine_lapsed_sequences_total") > lapsed  # it died mid-transfer

@@ -135,6 +135,14 @@ class KVPoolConnector(KVConnectorBase_V1):
                 trust_request_params=self.settings.trust_request_params,
             )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Always: each attention layer waits for its own rows of the step's loads (``wait_for_layer_load``),
+        Python that a full CUDA graph's replay skips: under vLLM's default FULL_AND_PIECEWISE mode a
+        uniform-decode batch holding a fully cached prompt (scheduled for one token) would replay a full
+        graph whose attention reads blocks the load lane is still writing. vLLM then runs PIECEWISE."""
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a save that does not happen is a future miss, so a request preempted with
