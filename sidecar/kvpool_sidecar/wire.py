@@ -91,6 +91,9 @@ class Admit(msgspec.Struct, array_like=True):
     hashes: list[bytes]
     num_tokens: int
     meta: Meta | None = None
+    # Hold the cached prefix only, allocating nothing (a lookup: vLLM's tiering asks before it stores);
+    # no sequence is made when nothing is cached (the answer's page_ids are empty).
+    hold_only: bool = False
 
 
 class Commit(msgspec.Struct, array_like=True):

@@ -115,3 +115,32 @@ def hash_seed_problem(vllm_config: Any, environ: dict[str, str] | None = None) -
                 "every process: a restarted engine would find none of the pages it saved. Set PYTHONHASHSEED "
                 "(the same value in every engine of this model, kept secret) or use sha256")
     return None
+
+
+def chunk_identity(config: Any, vllm_config: Any = None) -> str:
+    """The identity of vLLM's offloaded chunks as the tier stores them (an ``OffloadingConfig`` read by
+    attribute): the model (its weights, as :func:`model_identity` names them, from ``vllm_config`` when
+    the engine's is at hand, else its name, snapshot and weight files), the cache dtype, the chunk's
+    geometry and every worker's share of it. Another layout, degree or model never meets these pages,
+    nor does ``KVPoolConnector``'s block layout."""
+    model = str(config.model.name)
+    snapshot = hub_snapshot(model, None)
+    ident = {
+        "layout": "vllm-offload-chunk",
+        "engine": model_identity(vllm_config, None) if vllm_config is not None else None,
+        "model": model,
+        "snapshot": Path(snapshot).name if snapshot else None,
+        "weights": weight_files(snapshot or model),
+        "dtype": str(config.model.dtype),
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
+        "world_size": config.parallel.world_size,
+        "tensor_parallel": config.parallel.tp_size,
+        "replicated": bool(getattr(config, "replicated_layout", False)),
+        "canonical": bool(getattr(config, "canonical_layout", False)),
+        "kv_cache_layout": str(getattr(config, "kv_cache_layout", None)),
+        "groups": [list(g.layer_names) for g in config.groups],
+    }
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return f"{model[-200:]}@{digest}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -24,7 +24,10 @@ class DefaultMeta(BaseModel):
     turn: Annotated[int, Field(ge=0, le=100_000)] = 0
 
 
-class ConnectorSettings(BaseModel):
+class ChannelSettings(BaseModel):
+    """How an engine's scheduler reaches its sidecar, and what its requests may say (the connector's and
+    the tier's settings share these)."""
+
     model_config = ConfigDict(extra="forbid")
 
     socket: Annotated[str, Field(min_length=1, max_length=107, pattern=r"^/")] = DEFAULT_SOCKET
@@ -36,6 +39,29 @@ class ConnectorSettings(BaseModel):
     trust_request_params: bool = Field(
         default=False, description="take tenant, class, turn and user from a request's kv_transfer_params "
         "(a client's OpenAI body): only where a gateway strips and sets them")
+
+    @model_validator(mode="after")
+    def _one_token(self) -> ChannelSettings:
+        if self.token is not None and self.token_file is not None:
+            raise ValueError("give token or token_file, not both")
+        return self
+
+    def bearer(self, where: str = "kv_connector_extra_config") -> str | None:
+        if self.token_file is None:
+            return self.token
+        try:
+            token = Path(self.token_file).read_text().strip()
+        except OSError as exc:
+            raise ConnectorConfigError(f"{where}.token_file {self.token_file}: {exc.strerror}") from None
+        if len(token) < 16:
+            raise ConnectorConfigError(f"{where}.token_file {self.token_file}: "
+                                       "the token must be at least 16 characters")
+        return token
+
+
+class ConnectorSettings(ChannelSettings):
+    """``KVPoolConnector``'s ``kv_connector_extra_config``."""
+
     kernels: Literal["triton", "triton-interpreter", "torch"] | None = None
     max_save_backlog_ms: Annotated[float, Field(ge=0, le=60_000)] = Field(
         default=1000.0, description="back-pressure on the save lane: a step's saves are skipped (counted as "
@@ -46,30 +72,30 @@ class ConnectorSettings(BaseModel):
         default=False, description="publish kvpool's tier as the engine's KV events (BlockStored and "
         "BlockRemoved with medium CPU), merged into vLLM's own stream (its --kv-events-config)")
 
-    @model_validator(mode="after")
-    def _one_token(self) -> ConnectorSettings:
-        if self.token is not None and self.token_file is not None:
-            raise ValueError("give token or token_file, not both")
-        return self
 
-    def bearer(self) -> str | None:
-        if self.token_file is None:
-            return self.token
-        try:
-            token = Path(self.token_file).read_text().strip()
-        except OSError as exc:
-            where = f"kv_connector_extra_config.token_file {self.token_file}"
-            raise ConnectorConfigError(f"{where}: {exc.strerror}") from None
-        if len(token) < 16:
-            raise ConnectorConfigError(f"kv_connector_extra_config.token_file {self.token_file}: "
-                                       "the token must be at least 16 characters")
-        return token
+class TierSettings(ChannelSettings):
+    """kvpool's entry in ``secondary_tiers`` of vLLM's ``TieringOffloadingSpec`` (besides ``type`` and
+    ``module_path``, which vLLM reads). Its lookups answer at the next scheduler step at the earliest, so
+    its budget runs from when the step's lookups were sent."""
+
+    lookup_wait_ms: Annotated[float, Field(ge=0, le=1000)] = 20.0
 
 
 def parse_settings(extra: dict[str, Any] | None) -> ConnectorSettings:
+    return _parse(ConnectorSettings, extra, "kv_connector_extra_config")
+
+
+def parse_tier_settings(params: dict[str, Any] | None, where: str) -> TierSettings:
+    return _parse(TierSettings, params, where)
+
+
+_S = TypeVar("_S", bound=BaseModel)
+
+
+def _parse(model: type[_S], extra: dict[str, Any] | None, prefix: str) -> _S:
     try:
-        return ConnectorSettings.model_validate(extra or {})
+        return model.model_validate(extra or {})
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(["kv_connector_extra_config", *(str(p) for p in first["loc"])])
+        where = ".".join([prefix, *(str(p) for p in first["loc"])])
         raise ConnectorConfigError(f"{where}: {first['msg']}") from None

@@ -213,6 +213,12 @@ class PagePool:
         salt = self._salt(meta.tenant) if salted(self.settings.isolate, meta.tenant, tokens is not None) else None
         return prompt_keys(tokens, block_hashes, num_tokens, self.page_size, salt, self.settings.shared_first)
 
+    def cached_pages(self, block_hashes: Sequence[Hashable], meta: WorkloadMeta = DEFAULT_META) -> int:
+        """How many leading pages of a prompt with these block hashes are cached now, keyed as
+        :meth:`admit` keys them; changes nothing."""
+        keys, _ = self._keys(None, block_hashes, len(block_hashes) * self.page_size, meta)
+        return len(self.table.cached_prefix(keys))
+
     def admit(
         self,
         seq_id: str,

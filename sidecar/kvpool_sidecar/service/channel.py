@@ -47,6 +47,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from pydantic import ValidationError
 
 from kvpool_sidecar import wire
@@ -323,6 +324,11 @@ class EngineChannel:
         if adm.meta is not None and adm.meta.adapter:
             meta = _mapped(meta, sc.state.config.workloads.adapter_rule(adm.meta.adapter))
         keys = namespaced(session.ns, adm.hashes)
+        if adm.hold_only:  # a lookup: the cached prefix, held, and no page allocated (none evicted)
+            keys = keys[: sc.pool.cached_pages(keys, meta)]
+            if not keys:
+                return wire.Admitted([], 0, sc.storage_epoch, session.fence)
+            adm = msgspec.structs.replace(adm, num_tokens=len(keys) * sc.pool.page_size)
         # The channel admits only engine and admin credentials, which act for any tenant; the sequence is
         # this connection's alone.
         try:

@@ -1,0 +1,176 @@
+"""``KVPoolTier``: kvpool as a secondary tier of vLLM's own KV offloading (the GPU path).
+
+vLLM moves the bytes between the GPU and its CPU primary tier; kvpool keeps what cascades out of that
+tier and promotes it back (:mod:`.tiering`, the logic). Load it in ``TieringOffloadingSpec``'s
+``secondary_tiers``::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": 4294967296, "block_size": 64,
+            "secondary_tiers": [{"type": "KVPoolTier", "module_path": "kvpool_sidecar.engines.tier",
+                                 "socket": "/tmp/kvpool/engine.sock", "token_file": "/var/run/kvpool/token"}]}}'
+
+Besides ``type`` and ``module_path`` the entry takes the connector's channel settings (``socket``,
+``token``/``token_file``, ``lookup_wait_ms``, ``timeout_s``, ``defaults``, ``trust_request_params``;
+:class:`~.settings.TierSettings`); a bad one refuses to start, naming ``secondary_tiers.<field>``. The
+sidecar's ``pageSize`` must be the offloaded ``block_size`` (tokens per chunk) and its ``--kv-shape`` the
+model's (kv_heads of all ranks together): a page then holds one chunk, every worker's share of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+from typing_extensions import override
+from vllm.config import get_current_vllm_config_or_none
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvpool_sidecar import wire
+from kvpool_sidecar.engines.blocks import LayoutError
+from kvpool_sidecar.engines.identity import IdentityError, chunk_identity, hash_seed_problem
+from kvpool_sidecar.engines.link import Refused, SidecarDown, SidecarLink, fetch_welcome
+from kvpool_sidecar.engines.settings import parse_tier_settings
+from kvpool_sidecar.engines.tiering import HIT, MISS, TierSide
+from kvpool_sidecar.storage.tensors import ModelShape
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+log = logging.getLogger("kvpool.engine")
+WHERE = "kv_connector_extra_config.secondary_tiers[KVPoolTier]"
+_RESULTS = {HIT: LookupResult.HIT, MISS: LookupResult.MISS}
+
+
+class KVPoolTier(SecondaryTierManager):
+    medium: ClassVar[Medium] = Medium.CPU
+
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: BackpressureDetector | None = None, **params: Any) -> None:
+        super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
+                         backpressure_detector=backpressure_detector)
+        settings = parse_tier_settings(params, WHERE)
+        config = offloading_spec.config
+        if len(config.groups) != 1:
+            raise LayoutError(f"KVPoolTier stores one KV cache group; this model's offloading has "
+                              f"{len(config.groups)} (a hybrid model: use another secondary tier)")
+        self.page_size = config.cache.tokens_per_hash * config.cache.blocks_per_chunk  # tokens a chunk holds
+        copies = 1 if getattr(offloading_spec, "replicated_layout", False) else config.parallel.world_size
+        self.page_bytes = offloading_spec.cpu_page_size_per_worker * copies  # a chunk without its padding
+        engine = get_current_vllm_config_or_none()
+        if engine is not None and (problem := hash_seed_problem(engine)) is not None:
+            raise IdentityError(f"KVPoolTier: {problem}")
+        self.model = chunk_identity(config, engine)
+        session = f"vllm-tier-{str(config.engine_id)[-40:]}-{secrets.token_hex(4)}"
+        token = settings.bearer(WHERE)
+        hello = wire.Hello(wire.PROTOCOL, "scheduler", session, self.model, token)
+        # The pool's handle comes on a connection of its own (the scheduler's owns the session's sequences).
+        mapper = wire.Hello(wire.PROTOCOL, "worker", session, self.model, token)
+        socket, timeout = settings.socket, settings.timeout_s
+        welcome = lambda: fetch_welcome(socket, mapper, timeout)  # noqa: E731
+        self._check_pool(welcome)
+        primary = torch.from_numpy(np.asarray(primary_kv_view))  # [chunks, row bytes], vLLM's region
+        self.side = TierSide(SidecarLink(socket, hello, timeout=timeout), welcome, primary, self.page_bytes,
+                             self.page_size, session=session, lookup_wait=settings.lookup_wait_ms / 1000,
+                             default_meta=settings.defaults.model_dump(),
+                             trust_request_params=settings.trust_request_params)
+        self._jobs: dict[int, list[OffloadKey]] = {}
+
+    def _check_pool(self, welcome: Any) -> None:
+        """Refuse a sidecar whose pages cannot hold vLLM's chunks (naming both); only warn about one that
+        does not answer (the engine serves without the tier until it does)."""
+        try:
+            handle = welcome().storage
+        except (SidecarDown, OSError) as exc:
+            log.warning("kvpool tier: the sidecar is not reachable at start-up (%s); serving without it "
+                        "until it is", exc)
+            return
+        except Refused as exc:
+            raise LayoutError(f"KVPoolTier: {exc}") from None
+        if handle is None:
+            raise LayoutError("KVPoolTier: the sidecar keeps no KV storage: start it with --kv-shape")
+        if handle["page_size"] != self.page_size:
+            raise LayoutError(f"KVPoolTier: the pool's page size is {handle['page_size']} tokens, vLLM's "
+                              f"offloaded block_size {self.page_size}: set the policy's pageSize to it")
+        pool_bytes = ModelShape(**handle["shape"]).bytes_per_page(handle["page_size"])
+        if pool_bytes != self.page_bytes:
+            raise LayoutError(f"KVPoolTier: a pool page holds {pool_bytes} bytes, a vLLM chunk {self.page_bytes} "
+                              "(every worker's share): --kv-shape must be the model's layers,kv_heads,head_dim,"
+                              "dtype (kv_heads of all ranks together)")
+
+    @staticmethod
+    def _hash(key: OffloadKey) -> bytes:
+        assert get_offload_group_idx(key) == 0
+        return bytes(get_offload_block_hash(key))
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return _RESULTS.get(self.side.lookup(req_context.req_id, self._hash(key)), LookupResult.RETRY)
+
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        self._jobs[job_metadata.job_id] = keys
+        self.side.submit_store(job_metadata.job_id, job_metadata.req_context.req_id, [self._hash(k) for k in keys],
+                               [int(c) for c in job_metadata.chunk_ids])
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        self._jobs[job_metadata.job_id] = keys
+        self.side.submit_load(job_metadata.job_id, job_metadata.req_context.req_id, [self._hash(k) for k in keys],
+                              [int(c) for c in job_metadata.chunk_ids])
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out = []
+        for done in self.side.finished_jobs():
+            keys = self._jobs.pop(done.job_id, [])
+            good = [k for k, ok in zip(keys, done.ok, strict=False) if ok]
+            success = bool(keys) and len(good) == len(keys)
+            out.append(JobResult(done.job_id, success, None if success else good))
+        return out
+
+    @override
+    def has_pending_work(self) -> bool:
+        return self.side.pending()
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        return  # the pool's recency moves with its admissions
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self.side.new_request(req_context.req_id, req_context.kv_transfer_params)
+        return RequestOffloadingContext()
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.side.finished(req_context.req_id)
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.side.flush()
+
+    @override
+    def drain_jobs(self) -> None:
+        self.side.drain()
+
+    @override
+    def shutdown(self) -> None:
+        self.side.close()

@@ -1,0 +1,411 @@
+"""kvpool as a secondary tier of vLLM's own KV offloading, without vLLM (the adapter is :mod:`.tier`).
+
+On a GPU, vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec`` moves KV between the GPU and its
+CPU primary tier (a host region vLLM owns: its DMA, its streams, tested on GPUs in vLLM's CI). kvpool sits
+behind that tier: chunks *cascade* from the primary tier into pool pages and are *promoted* back. Nothing
+here touches the GPU; every copy is between two host regions (vLLM's primary chunks and the pool's
+shared segment), on a copy thread of its own, never on the scheduler's thread.
+
+A pool page holds one offloaded chunk's bytes exactly as vLLM lays them out in its primary tier (every
+worker's share, one after the other, without the region's alignment padding), so the sidecar's
+``pageSize`` is vLLM's offloaded ``block_size`` (tokens per chunk) and ``--kv-shape``'s page bytes are
+the chunk's. The bytes are opaque here; the model identity (:func:`.identity.chunk_identity`) keeps them
+apart from any other layout.
+
+Through the scheduler's one link (a session, as the connector's: the connection owns what it admits,
+its fence stops its copies the moment it ends, its lapsed pages are quarantined):
+
+* lookups: the keys vLLM asks about in a step are sent at the step's end as one *hold-only* admission
+  per request (its cached prefix held, nothing allocated, nothing evicted) and answered RETRY until the
+  answer is in; an answer not in ``lookup_wait`` after it was sent is a MISS (the request is served
+  without the tier, and the hold is released when the answer comes). The scheduler never waits on the
+  sidecar: vLLM scans a request's keys past a RETRY, so a step's lookups cost one round trip in all.
+* loads (promotions): the held pages are copied into the primary chunks vLLM allocated, the session's
+  fence checked after the read; a key whose page is not held by this request's lookup (or whose hold
+  lapsed) fails alone and vLLM recomputes it. The hold is released once its load job is reported.
+* stores (cascades): one admission per job (pages for what the pool lacks), the primary chunks copied
+  into the fresh pages (the fence checked before the write and after), then committed and released on
+  the link, in that order: a page is published only after its bytes are written. vLLM keeps the
+  primary chunks pinned until the job is reported done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvpool_sidecar import wire
+from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLink
+from kvpool_sidecar.engines.scheduler import META_FIELDS
+from kvpool_sidecar.storage import KVStorage, StaleHandle
+from kvpool_sidecar.storage.tensors import AttachedKV
+
+log = logging.getLogger("kvpool.engine")
+HIT, MISS, RETRY = "hit", "miss", "retry"
+
+
+@dataclass
+class _Hold:
+    """One hold-only admission of a request's lookups."""
+
+    seq_id: str
+    keys: list[bytes]
+    sent_at: float
+    future: Future | None = None
+    generation: int = 0
+    epoch: int | None = None
+    fence: tuple[int, int] | None = None
+    pages: dict[bytes, int] = field(default_factory=dict)  # held key -> its page
+    loading: int = 0  # load jobs reading its pages, not yet reported
+    live: bool = True  # not released
+
+
+@dataclass
+class _Request:
+    meta: dict[str, Any]
+    answers: dict[bytes, _Hold | None] = field(default_factory=dict)  # asked key -> its hold (None: a miss)
+    batch: list[bytes] = field(default_factory=list)  # keys asked this step, sent at its end
+    holds: list[_Hold] = field(default_factory=list)
+    ended: bool = False
+
+
+@dataclass
+class Finished:
+    """A job done: ``ok`` for each of its keys, in the job's order."""
+
+    job_id: int
+    ok: list[bool]
+
+
+class TierSide:
+    def __init__(self, link: SidecarLink, welcome: Callable[[], wire.Welcome], primary: torch.Tensor,
+                 page_bytes: int, page_size: int, *, session: str, lookup_wait: float = 0.002,
+                 default_meta: dict[str, Any] | None = None, trust_request_params: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.link = link
+        self.welcome = welcome
+        self.primary = primary.view(torch.uint8)[:, :page_bytes]  # vLLM's chunks without their padding
+        self.page_bytes = page_bytes
+        self.page_size = page_size
+        self.lookup_wait = lookup_wait
+        self.default_meta = dict(default_meta or {})
+        self.trust_request_params = trust_request_params
+        self.clock = clock
+        self._prefix = session
+        self._ids = itertools.count(1)
+        self._requests: dict[str, _Request] = {}
+        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-tier")
+        self._done: queue.SimpleQueue[tuple[Finished, list[_Hold]]] = queue.SimpleQueue()
+        self._jobs: set[int] = set()  # submitted, not yet reported
+        self._stores: list[Future] = []  # store admissions not yet answered (for drain)
+        self._copies: list[Future] = []
+        self._mapped: AttachedKV | None = None  # used on the lane only
+        self._lock = threading.Lock()  # guards _stores and _copies (the link's thread adds copies)
+
+    # ------------------------------------------------------------------------------ requests
+    def new_request(self, req_id: str, params: dict[str, Any] | None) -> None:
+        meta = dict(self.default_meta)
+        if self.trust_request_params and params:
+            meta.update({k: params[k] for k in META_FIELDS if k in params})
+        self._requests[req_id] = _Request(meta)
+
+    def _request(self, req_id: str) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:  # a request vLLM did not announce (it always does): the defaults
+            self.new_request(req_id, None)
+            req = self._requests[req_id]
+        return req
+
+    def finished(self, req_id: str) -> None:
+        """No call for this request follows; its holds go once no load of theirs is in flight."""
+        req = self._requests.pop(req_id, None)
+        if req is None:
+            return
+        req.ended = True
+        for hold in req.holds:
+            if hold.loading == 0:
+                self._release(req, hold)
+
+    # ------------------------------------------------------------------------------- lookups
+    def lookup(self, req_id: str, key: bytes) -> str:
+        req = self._request(req_id)
+        if key in req.answers:
+            hold = req.answers[key]
+            if hold is not None and hold.future is not None:
+                if not self._settle(req, hold):
+                    return RETRY
+                hold = req.answers.get(key)
+            if hold is None:
+                return MISS
+            return HIT if hold.live and key in hold.pages and hold.generation == self.link.generation else MISS
+        if key not in req.batch:
+            req.batch.append(key)
+        return RETRY
+
+    def _settle(self, req: _Request, hold: _Hold) -> bool:
+        """The hold's verdict for each of its keys, once its answer is in or its budget spent; False:
+        neither yet (RETRY)."""
+        assert hold.future is not None
+        if not hold.future.done():
+            if self.clock() - hold.sent_at < self.lookup_wait:
+                return False
+            self._give_up(hold)  # served without the tier; released when the answer comes
+            self.link.record(lambda r: r.fail("lookup"))
+            for key in hold.keys:
+                req.answers[key] = None
+            return True
+        future, hold.future = hold.future, None
+        try:
+            gen, result = future.result()
+        except (SidecarDown, OpFailed) as exc:
+            if isinstance(exc, OpFailed):
+                log.warning("kvpool tier: a lookup failed: %s", exc)
+            self.link.record(lambda r: r.fail("lookup"))
+            hold.live = False
+            for key in hold.keys:
+                req.answers[key] = None
+            return True
+        hold.generation, hold.epoch, hold.fence = gen, result.epoch, result.fence
+        hits = result.cached_tokens // self.page_size
+        hold.pages = dict(zip(hold.keys[:hits], result.page_ids[:hits], strict=True))
+        hold.live = bool(result.page_ids)  # nothing cached: no sequence was made
+        for key in hold.keys:
+            req.answers[key] = hold if key in hold.pages else None
+        return True
+
+    def flush(self) -> None:
+        """The step's end: one hold-only admission per request that asked about new keys."""
+        for req in self._requests.values():
+            if not req.batch:
+                continue
+            keys, req.batch = req.batch[: wire.MAX_BLOCKS], []
+            hold = _Hold(f"{self._prefix}-{next(self._ids)}", keys, self.clock())
+            if self.link.available():
+                meta = req.meta
+                hold.future = self.link.admit(wire.Admit(hold.seq_id, keys, len(keys) * self.page_size,
+                                                         wire.Meta(**meta) if meta else None, hold_only=True))
+                req.holds.append(hold)
+                for key in keys:
+                    req.answers[key] = hold
+            else:
+                for key in keys:
+                    req.answers[key] = None
+
+    def _give_up(self, hold: _Hold) -> None:
+        future, hold.future = hold.future, None
+        hold.live = False
+        assert future is not None
+
+        def release_late(f: Future) -> None:
+            try:
+                gen, result = f.result()
+            except Exception:
+                return
+            if result.page_ids:
+                self.link.release(hold.seq_id, gen)
+
+        future.add_done_callback(release_late)
+
+    def _release(self, req: _Request, hold: _Hold) -> None:
+        if hold.future is not None:
+            self._give_up(hold)
+        elif hold.live:
+            hold.live = False
+            self.link.release(hold.seq_id, hold.generation)
+        for key in hold.pages:
+            if req.answers.get(key) is hold:
+                del req.answers[key]  # asked again later: asked anew
+
+    # --------------------------------------------------------------------------------- loads
+    def submit_load(self, job_id: int, req_id: str, keys: list[bytes], chunks: list[int]) -> None:
+        """Copy the held pages of ``keys`` into primary ``chunks``, off this thread."""
+        req = self._request(req_id)
+        self._jobs.add(job_id)
+        plan: list[tuple[int, int, int]] = []  # (index in the job, page, chunk)
+        holds: list[_Hold] = []
+        hold_of: _Hold | None = None
+        for i, (key, chunk) in enumerate(zip(keys, chunks, strict=True)):
+            hold = req.answers.get(key)
+            if hold is None or hold.future is not None or not hold.live or key not in hold.pages \
+                    or hold.generation != self.link.generation:
+                continue
+            if hold_of is not None and (hold.epoch, hold.fence) != (hold_of.epoch, hold_of.fence):
+                continue  # a second session's hold (a reconnect between lookups): recomputed
+            hold_of = hold
+            plan.append((i, hold.pages[key], chunk))
+            if hold not in holds:
+                holds.append(hold)
+        for hold in holds:
+            hold.loading += 1
+        epoch, fence = (hold_of.epoch, hold_of.fence) if hold_of is not None else (None, None)
+        copy = self._lane.submit(self._load, job_id, len(keys), plan, epoch, fence, holds)
+        with self._lock:
+            self._copies.append(copy)
+
+    def _load(self, job_id: int, n: int, plan: list[tuple[int, int, int]], epoch: int | None,
+              fence: tuple[int, int] | None, holds: list[_Hold]) -> None:
+        ok = [False] * n
+        try:
+            if plan and epoch is not None:
+                mapped = self._mapping(epoch)
+                if mapped is not None:
+                    pages = torch.tensor([p for _, p, _ in plan], dtype=torch.int64)
+                    chunks = torch.tensor([c for _, _, c in plan], dtype=torch.int64)
+                    self.primary.index_copy_(0, chunks, _rows(mapped).index_select(0, pages))
+                    mapped.check(fence)  # nothing read was handed on meanwhile
+                    for i, _, _ in plan:
+                        ok[i] = True
+                    moved = Report(loaded_tokens=len(plan) * self.page_size)
+                    self.link.record(lambda r: r.merge(moved))
+        except (StaleHandle, RuntimeError, IndexError, OSError) as exc:
+            log.warning("kvpool tier: loading %d chunks failed (%s): vLLM recomputes them", len(plan), exc)
+            ok = [False] * n
+        if not all(ok):
+            self.link.record(lambda r: r.fail("load"))
+        self._done.put((Finished(job_id, ok), holds))
+
+    # -------------------------------------------------------------------------------- stores
+    def submit_store(self, job_id: int, req_id: str, keys: list[bytes], chunks: list[int]) -> None:
+        """Admit ``keys``, copy primary ``chunks`` into the pages the pool lacks, then commit: off this
+        thread (the admission's answer starts the copy on the lane)."""
+        self._jobs.add(job_id)
+        req = self._requests.get(req_id)
+        meta = req.meta if req is not None else self.default_meta
+        keys, chunks = keys[: wire.MAX_BLOCKS], chunks[: wire.MAX_BLOCKS]
+        if not keys or not self.link.available():
+            self._done.put((Finished(job_id, [False] * len(keys)), []))
+            return
+        seq_id = f"{self._prefix}-{next(self._ids)}"
+        future = self.link.admit(wire.Admit(seq_id, keys, len(keys) * self.page_size,
+                                            wire.Meta(**meta) if meta else None))
+        with self._lock:
+            self._stores.append(future)
+        future.add_done_callback(lambda f: self._admitted(f, job_id, seq_id, len(keys), chunks))
+
+    def _admitted(self, future: Future, job_id: int, seq_id: str, n: int, chunks: list[int]) -> None:
+        """On the link's thread: the store's admission answered."""
+        try:
+            gen, result = future.result()
+        except Exception as exc:
+            if isinstance(exc, OpFailed):
+                log.warning("kvpool tier: a store's admission failed: %s", exc)
+            self.link.record(lambda r: r.fail("save"))
+            self._done.put((Finished(job_id, [False] * n), []))
+            return
+        copy = self._lane.submit(self._store, job_id, seq_id, gen, result, n, chunks)
+        with self._lock:
+            self._copies.append(copy)
+
+    def _store(self, job_id: int, seq_id: str, gen: int, result: wire.Admitted, n: int, chunks: list[int]) -> None:
+        hits = result.cached_tokens // self.page_size
+        fresh = result.page_ids[hits:]
+        admitted = len(result.page_ids)  # fewer than asked under pressure: the rest is not stored
+        written = False
+        try:
+            mapped = self._mapping(result.epoch) if result.epoch is not None else None
+            if mapped is not None and gen == self.link.generation:
+                if fresh:
+                    pages = torch.tensor(fresh, dtype=torch.int64)
+                    rows = self.primary.index_select(0, torch.tensor(chunks[hits:admitted], dtype=torch.int64))
+                    mapped.check(result.fence)  # the session still holds these pages
+                    _rows(mapped).index_copy_(0, pages, rows)
+                    mapped.check(result.fence)
+                written = True
+        except (StaleHandle, RuntimeError, IndexError, OSError) as exc:
+            log.warning("kvpool tier: storing %d chunks failed (%s)", len(fresh), exc)
+        if written:
+            self.link.commit(seq_id, admitted * self.page_size, gen)  # after the bytes, before the release
+            moved = Report(saved_tokens=len(fresh) * self.page_size)
+            self.link.record(lambda r: r.merge(moved))
+        else:
+            self.link.record(lambda r: r.fail("save"))
+        self.link.release(seq_id, gen)
+        self._done.put((Finished(job_id, [written and i < admitted for i in range(n)]), []))
+
+    # ------------------------------------------------------------------------------ the lane
+    def _mapping(self, epoch: int) -> AttachedKV | None:
+        """The pool of ``epoch``, mapped (on the lane: a remap blocks no scheduler step)."""
+        mapped = self._mapped
+        if mapped is not None and mapped.epoch == epoch:
+            return mapped
+        try:
+            welcome = self.welcome()
+        except Exception as exc:
+            log.warning("kvpool tier: the pool could not be mapped: %s", exc)
+            return None
+        if welcome.storage is None or welcome.storage.get("epoch") != epoch:
+            return None
+        fresh = KVStorage.attach(welcome.storage)
+        if _rows(fresh).shape[1] != self.page_bytes:
+            fresh.close()
+            log.error("kvpool tier: the sidecar's pages hold %d bytes, vLLM's chunks %d: not used",
+                      _rows(fresh).shape[1], self.page_bytes)
+            return None
+        self._mapped = fresh
+        if mapped is not None:
+            mapped.close()
+        return fresh
+
+    # --------------------------------------------------------------------------------- jobs
+    def finished_jobs(self) -> list[Finished]:
+        """Jobs done since the last call; the holds their loads read are released here."""
+        out = []
+        while True:
+            try:
+                done, holds = self._done.get_nowait()
+            except queue.Empty:
+                break
+            self._jobs.discard(done.job_id)
+            out.append(done)
+            for hold in holds:
+                hold.loading -= 1
+                if hold.loading == 0:
+                    owner = next((r for r in self._requests.values() if hold in r.holds), None)
+                    self._release(owner or _Request({}), hold)
+        with self._lock:
+            self._copies = [f for f in self._copies if not f.done()]
+            self._stores = [f for f in self._stores if not f.done()]
+        return out
+
+    def pending(self) -> bool:
+        return bool(self._jobs)
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Until every submitted job has finished (a store's admission answers or fails within the link's
+        timeout, then its copy runs)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                waiting = [f for f in self._stores + self._copies if not f.done()]
+            if not waiting:
+                return
+            for f in waiting:
+                try:
+                    f.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except FutureTimeout:
+                    return
+
+    def close(self) -> None:
+        self.drain(timeout=self.link.timeout + 1)
+        self._lane.shutdown(wait=True)
+        if self._mapped is not None:
+            self._mapped.close()
+            self._mapped = None
+        self.primary = torch.empty((0, self.page_bytes), dtype=torch.uint8)  # vLLM unmaps its region next
+        self.link.close()
+
+
+def _rows(mapped: AttachedKV) -> torch.Tensor:
+    """The pool's pages as rows of bytes."""
+    kv = mapped.kv
+    return kv.view(kv.shape[0], -1).view(torch.uint8)
