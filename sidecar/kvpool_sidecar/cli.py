@@ -128,8 +128,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
           f"per page of {args.page_size} tokens: {p.bytes_per_page / 2**20:.2f} MiB")
     print(f"GPU {gpu / gib:.1f} GiB - weights {args.params * 2 / gib:.1f} GiB - 10 % reserve = "
           f"{p.kv_budget_bytes / gib:.1f} GiB for KV: {p.pages} pages, {p.pages * args.page_size} tokens")
+    primary = 0
+    if args.max_model_len:
+        primary = planning.primary_tier_bytes(p.bytes_per_page, args.page_size, args.max_model_len,
+                                              args.max_num_batched_tokens)
+        print(f"vLLM's primary tier in front of kvpool (TieringOffloadingSpec, block_size {args.page_size}): "
+              f"cpu_bytes_to_use {primary} ({primary / gib:.2f} GiB: one {args.max_model_len}-token prompt "
+              f"promoted whole beside {planning.STORE_STEPS_IN_FLIGHT} steps of {args.max_num_batched_tokens} "
+              "new tokens waiting for their cascade)")
     if args.tier_multiple or args.pool_pages:
-        _plan_tier(args, p.pages, p.bytes_per_page)
+        _plan_tier(args, p.pages, p.bytes_per_page, primary)
     if p.rule_of_thumb_bytes is not None:
         print(f"rule of thumb (not a measurement): HBM = params x 1.2 + max_seq_len x batch x d_model x 2.5 = "
               f"{p.rule_of_thumb_bytes / gib:.1f} GiB")
@@ -145,15 +153,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_tier(args: argparse.Namespace, gpu_pages: int, bytes_per_page: int) -> None:
-    """The second tier's pages and what its pod needs: the shm volume and the sidecar's memory limit."""
+def _plan_tier(args: argparse.Namespace, gpu_pages: int, bytes_per_page: int, primary: int = 0) -> None:
+    """The second tier's pages and what its pod needs: the shm volume (the pool's segment and vLLM's
+    ``primary`` tier, both in it) and the sidecar's memory limit."""
     from kvpool_sidecar.storage import memory
 
     pages = args.pool_pages or round(args.tier_multiple * gpu_pages)
     segment = memory.segment_bytes(bytes_per_page, pages)
     print(f"second tier: --pages {pages} ({pages / max(gpu_pages, 1):.2f} x the GPU's KV), "
           f"{segment / 2**30:.1f} GiB of shared memory")
-    print(f"memory volume sizeLimit >= {memory.gib_ceil(segment)}Gi; sidecar container memory limit >= "
+    volume = memory.gib_ceil(segment + primary)
+    print(f"memory volume sizeLimit >= {volume}Gi{' (with the primary tier)' if primary else ''}; "
+          "sidecar container memory limit >= "
           f"{memory.gib_ceil(memory.sidecar_memory_bytes(segment, pages))}Gi (it allocates the segment at start-up "
           "and is charged for it, plus its process and bookkeeping and 10 % headroom)")
 
@@ -296,6 +307,10 @@ def _add_plan(sub: Any) -> None:
     pln.add_argument("--batch", type=_positive_int)
     pln.add_argument("--d-model", type=_positive_int)
     pln.add_argument("--trace", help="recommend a page size from this trace's prompt lengths")
+    pln.add_argument("--max-model-len", type=_positive_int,
+                     help="size vLLM's CPU primary tier in front of kvpool (prints cpu_bytes_to_use)")
+    pln.add_argument("--max-num-batched-tokens", type=_positive_int, default=8192,
+                     help="vLLM's --max-num-batched-tokens (with --max-model-len)")
     tier = pln.add_mutually_exclusive_group()
     tier.add_argument("--tier-multiple", type=_above_zero("must be above 0"),
                       help="size the second tier as this multiple of the GPU's KV pages (prints --pages and memory)")

@@ -147,26 +147,43 @@ def test_container_args_are_flags_the_cli_accepts():
 
 
 def test_the_engine_is_wired_to_its_sidecar():
-    """vLLM loads the connector, pointed at the sidecar's port, with the policy's page size as its block
-    size, and both containers see the pool's shared memory."""
+    """The GPU example's vLLM offloads through its own OffloadingConnector with TieringOffloadingSpec, and
+    vLLM's factories resolve the spec and kvpool's tier from that very --kv-transfer-config; the tier points
+    at the sidecar's socket, its chunks are the policy's pages, vLLM's primary tier is the size `plan`
+    prints, and both containers see the shared memory that holds the pool and that tier."""
     from kvpool_sidecar.cli import build_parser
-    from kvpool_sidecar.engines.settings import parse_settings
+    from kvpool_sidecar.engines.settings import parse_tier_settings
+    from kvpool_sidecar.engines.tier import KVPoolTier
+    from kvpool_sidecar.replay.plan import primary_tier_bytes
     from kvpool_sidecar.service.server import parse_shape
+    from kvpool_sidecar.storage import memory
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     docs = {doc["kind"]: doc for path, doc in documents() if path.name in ("inference.yaml", "policy.yaml")}
     pod = docs["Deployment"]["spec"]["template"]["spec"]
     engine = next(c for c in pod["containers"] if c["name"] == "vllm")
     sidecar = next(c for c in pod["containers"] if c["name"] == "kvpool-sidecar")
     args = engine["args"]
-    transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert transfer["kv_connector"] == "KVPoolConnector" and transfer["kv_role"] == "kv_both"
-    assert transfer["kv_connector_module_path"] == "kvpool_sidecar.engines.vllm"
-    assert transfer["kv_load_failure_policy"] == "recompute"
-    settings = parse_settings(transfer["kv_connector_extra_config"])
+    transfer = KVTransferConfig(**json.loads(args[args.index("--kv-transfer-config") + 1]))
+    assert KVConnectorFactory.get_connector_class(transfer).__name__ == "OffloadingConnector"
+    assert transfer.kv_role == "kv_both" and transfer.kv_load_failure_policy == "recompute"
+    extra = transfer.kv_connector_extra_config
+    assert OffloadingSpecFactory.get_spec_cls(extra) is TieringOffloadingSpec
+    [tier] = extra["secondary_tiers"]
+    assert SecondaryTierFactory.get_tier_class(tier) is KVPoolTier
+    settings = parse_tier_settings({k: v for k, v in tier.items() if k not in ("type", "module_path")}, "tier")
     served = build_parser().parse_args(sidecar["args"])
     assert settings.socket == served.engine_socket
-    assert int(args[args.index("--block-size") + 1]) == docs["KVCachePolicy"]["spec"]["pageSize"]
+    page_size = docs["KVCachePolicy"]["spec"]["pageSize"]
+    assert extra["block_size"] == page_size == int(args[args.index("--block-size") + 1])  # a chunk is a page
     shape = parse_shape(served.kv_shape)
+    max_model_len = 32768  # Qwen2.5-7B-Instruct's, which the example serves
+    primary = primary_tier_bytes(shape.bytes_per_page(page_size), page_size, max_model_len, 8192)
+    assert extra["cpu_bytes_to_use"] == primary
     volumes = {v["name"]: v for v in pod["volumes"]}
     for container in (engine, sidecar):
         shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
@@ -176,9 +193,9 @@ def test_the_engine_is_wired_to_its_sidecar():
         # One non-root user for both: the segment (0600) and the socket (0660) are theirs, no root needed.
         effective = pod["securityContext"] | container.get("securityContext", {})
         assert effective["runAsNonRoot"] and effective["runAsUser"] == pod["securityContext"]["runAsUser"] != 0
-    page_bytes = shape.bytes_per_page(docs["KVCachePolicy"]["spec"]["pageSize"])
+    segment = memory.segment_bytes(shape.bytes_per_page(page_size), served.pages)
     limit = volumes[shm["name"]]["emptyDir"]["sizeLimit"]
-    assert served.pages * page_bytes <= int(limit.removesuffix("Gi")) * 2**30  # the pool fits its volume
+    assert segment + primary <= int(limit.removesuffix("Gi")) * 2**30  # the pool and vLLM's tier fit
 
 
 def secret_behind(pod: dict, container: dict, path: str) -> tuple[str, str]:
@@ -200,7 +217,7 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     the `router` one (page transfer only) from the same Secret; transfers are signed. The Secrets made by
     the commands in inference.yaml's header are files the CLI accepts, with the roles each reader needs."""
     from kvpool_sidecar.cli import build_parser
-    from kvpool_sidecar.engines.settings import parse_settings
+    from kvpool_sidecar.engines.settings import parse_tier_settings
     from kvpool_sidecar.service.credentials import Credentials
     from kvpool_sidecar.storage.transfer import TransferKeys
 
@@ -213,12 +230,14 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     served = build_parser().parse_args(sidecar["args"])
     routed = build_parser().parse_args(router["args"])
     transfer = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
-    settings = parse_settings(transfer["kv_connector_extra_config"] | {"token_file": None})
+    [tier] = transfer["kv_connector_extra_config"]["secondary_tiers"]
+    tier = {k: v for k, v in tier.items() if k not in ("type", "module_path")}
+    settings = parse_tier_settings(tier | {"token_file": None}, "tier")
     assert settings.socket.startswith("/run/kvpool/")  # the engine talks to its sidecar on a pod-local socket
     assert served.host == "0.0.0.0" and served.token_file and served.transfer_key_file and routed.warm_replicas
     wired = {
         "sidecar tokens": secret_behind(pod, sidecar, served.token_file),
-        "engine token": secret_behind(pod, engine, transfer["kv_connector_extra_config"]["token_file"]),
+        "engine token": secret_behind(pod, engine, tier["token_file"]),
         "router's sidecar token": secret_behind(router_pod, router, routed.sidecar_token_file),
         "transfer keys": secret_behind(pod, sidecar, served.transfer_key_file),
     }
@@ -331,9 +350,8 @@ def test_the_inference_pool_validates_against_its_published_schema():
 def test_the_inference_pool_and_its_router_count_kvpools_tier():
     """The pool selects the engine pods on the engine's port and names the picker's Service; the picker
     reads each pod's KV event port with the engine's block size and weighs the tier kvpool's events name
-    (medium CPU) below the GPU's; the engine publishes those events, kvpool's pages among them."""
-    from kvpool_sidecar.engines.settings import parse_settings
-
+    (medium CPU) below the GPU's; the engine publishes those events, kvpool's pages among them (its
+    offloading tiers' events, KVPoolTier's with them, while vLLM's KV events are on)."""
     pool = pool_documents()
     spec = pool["InferencePool"]["spec"]
     deployments = {doc["metadata"]["name"]: doc for _, doc in documents() if doc["kind"] == "Deployment"}
@@ -351,7 +369,7 @@ def test_the_inference_pool_and_its_router_count_kvpools_tier():
     args = engine["args"]
     events = json.loads(args[args.index("--kv-events-config") + 1])
     transfer = json.loads(args[args.index("--kv-transfer-config") + 1])
-    assert parse_settings(transfer["kv_connector_extra_config"] | {"token_file": None}).kv_events
+    assert [t["type"] for t in transfer["kv_connector_extra_config"]["secondary_tiers"]] == ["KVPoolTier"]
     assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
     assert events["endpoint"] == f"tcp://*:{ports['kv-events']}"  # each pod binds; the picker subscribes
     assert "$(POD_IP)" in events["topic"] and any(e["name"] == "POD_IP" for e in engine["env"])

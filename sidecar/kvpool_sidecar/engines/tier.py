@@ -31,12 +31,14 @@ from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
     get_offload_block_hash,
     get_offload_group_idx,
+    make_offload_key,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
@@ -46,6 +48,7 @@ from kvpool_sidecar.engines.identity import IdentityError, chunk_identity, hash_
 from kvpool_sidecar.engines.link import Refused, SidecarDown, SidecarLink, fetch_welcome
 from kvpool_sidecar.engines.settings import parse_tier_settings
 from kvpool_sidecar.engines.tiering import HIT, MISS, TierSide
+from kvpool_sidecar.routing.kv_events import EventLog, Removed
 from kvpool_sidecar.storage.tensors import ModelShape
 
 if TYPE_CHECKING:
@@ -78,14 +81,16 @@ class KVPoolTier(SecondaryTierManager):
         self.model = chunk_identity(config, engine)
         session = f"vllm-tier-{str(config.engine_id)[-40:]}-{secrets.token_hex(4)}"
         token = settings.bearer(WHERE)
-        hello = wire.Hello(wire.PROTOCOL, "scheduler", session, self.model, token)
+        events = bool(config.enable_kv_cache_events)  # kvpool's pages in vLLM's KV events, as this tier's
+        hello = wire.Hello(wire.PROTOCOL, "scheduler", session, self.model, token, events)
         # The pool's handle comes on a connection of its own (the scheduler's owns the session's sequences).
         mapper = wire.Hello(wire.PROTOCOL, "worker", session, self.model, token)
         socket, timeout = settings.socket, settings.timeout_s
         welcome = lambda: fetch_welcome(socket, mapper, timeout)  # noqa: E731
         self._check_pool(welcome)
         primary = torch.from_numpy(np.asarray(primary_kv_view))  # [chunks, row bytes], vLLM's region
-        self.side = TierSide(SidecarLink(socket, hello, timeout=timeout), welcome, primary, self.page_bytes,
+        link = SidecarLink(socket, hello, timeout=timeout, events=EventLog() if events else None)
+        self.side = TierSide(link, welcome, primary, self.page_bytes,
                              self.page_size, session=session, lookup_wait=settings.lookup_wait_ms / 1000,
                              default_meta=settings.defaults.model_dump(),
                              trust_request_params=settings.trust_request_params)
@@ -149,6 +154,19 @@ class KVPoolTier(SecondaryTierManager):
     @override
     def has_pending_work(self) -> bool:
         return self.side.pending()
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """The pages this engine's lookups and stores found or published in kvpool, and their removals
+        from the pool (whoever caused them), as vLLM's offloading events of this tier."""
+        events = self.side.link.events
+        if events is None:
+            return ()
+        out = []
+        for event in events.take():
+            keys = [make_offload_key(h, 0) for h in event.hashes]
+            out.append(OffloadingEvent(keys, Medium.CPU, isinstance(event, Removed), ownership=self.tier_type))
+        return out
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

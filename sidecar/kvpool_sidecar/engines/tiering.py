@@ -179,6 +179,8 @@ class TierSide:
         hits = result.cached_tokens // self.page_size
         hold.pages = dict(zip(hold.keys[:hits], result.page_ids[:hits], strict=True))
         hold.live = bool(result.page_ids)  # nothing cached: no sequence was made
+        if self.link.events is not None and hits:
+            self.link.events.held(hold.keys, hits, None)
         for key in hold.keys:
             req.answers[key] = hold if key in hold.pages else None
         return True
@@ -290,9 +292,9 @@ class TierSide:
                                             wire.Meta(**meta) if meta else None))
         with self._lock:
             self._stores.append(future)
-        future.add_done_callback(lambda f: self._admitted(f, job_id, seq_id, len(keys), chunks))
+        future.add_done_callback(lambda f: self._admitted(f, job_id, seq_id, keys, chunks))
 
-    def _admitted(self, future: Future, job_id: int, seq_id: str, n: int, chunks: list[int]) -> None:
+    def _admitted(self, future: Future, job_id: int, seq_id: str, keys: list[bytes], chunks: list[int]) -> None:
         """On the link's thread: the store's admission answered."""
         try:
             gen, result = future.result()
@@ -300,13 +302,14 @@ class TierSide:
             if isinstance(exc, OpFailed):
                 log.warning("kvpool tier: a store's admission failed: %s", exc)
             self.link.record(lambda r: r.fail("save"))
-            self._done.put((Finished(job_id, [False] * n), []))
+            self._done.put((Finished(job_id, [False] * len(keys)), []))
             return
-        copy = self._lane.submit(self._store, job_id, seq_id, gen, result, n, chunks)
+        copy = self._lane.submit(self._store, job_id, seq_id, gen, result, keys, chunks)
         with self._lock:
             self._copies.append(copy)
 
-    def _store(self, job_id: int, seq_id: str, gen: int, result: wire.Admitted, n: int, chunks: list[int]) -> None:
+    def _store(self, job_id: int, seq_id: str, gen: int, result: wire.Admitted, keys: list[bytes],
+               chunks: list[int]) -> None:
         hits = result.cached_tokens // self.page_size
         fresh = result.page_ids[hits:]
         admitted = len(result.page_ids)  # fewer than asked under pressure: the rest is not stored
@@ -323,14 +326,16 @@ class TierSide:
                 written = True
         except (StaleHandle, RuntimeError, IndexError, OSError) as exc:
             log.warning("kvpool tier: storing %d chunks failed (%s)", len(fresh), exc)
-        if written:
-            self.link.commit(seq_id, admitted * self.page_size, gen)  # after the bytes, before the release
+        if written:  # committed after the bytes, before the release; announced once published
+            events = self.link.events
+            announce = None if events is None else (lambda total: events.held(keys, total, None))
+            self.link.commit(seq_id, admitted * self.page_size, gen, announce)
             moved = Report(saved_tokens=len(fresh) * self.page_size)
             self.link.record(lambda r: r.merge(moved))
         else:
             self.link.record(lambda r: r.fail("save"))
         self.link.release(seq_id, gen)
-        self._done.put((Finished(job_id, [written and i < admitted for i in range(n)]), []))
+        self._done.put((Finished(job_id, [written and i < admitted for i in range(len(keys))]), []))
 
     # ------------------------------------------------------------------------------ the lane
     def _mapping(self, epoch: int) -> AttachedKV | None:

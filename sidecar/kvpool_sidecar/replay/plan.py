@@ -36,6 +36,21 @@ def plan(layers: int, kv_heads: int, head_dim: int, dtype: str, page_size: int, 
     return Plan(per_token, per_page, max(budget // per_page, 0), max(budget, 0), rule)
 
 
+# vLLM's primary tier in front of kvpool (TieringOffloadingSpec): chunks in flight, not a cache of its own.
+STORE_STEPS_IN_FLIGHT = 4  # steps of new chunks that may wait in it for their cascade into kvpool
+HOST_PAGE = 4096  # vLLM pads each chunk of its region to the host page size
+
+
+def primary_tier_bytes(bytes_per_chunk: int, tokens_per_chunk: int, max_model_len: int,
+                       max_batched_tokens: int) -> int:
+    """``cpu_bytes_to_use`` for vLLM's CPU primary tier when kvpool is the tier behind it: room for one
+    prompt of ``max_model_len`` promoted whole (a promotion that does not fit is a miss) beside
+    :data:`STORE_STEPS_IN_FLIGHT` steps of ``max_batched_tokens`` new tokens waiting for their cascade,
+    each chunk padded as vLLM pads it."""
+    chunks = -(-max_model_len // tokens_per_chunk) + STORE_STEPS_IN_FLIGHT * -(-max_batched_tokens // tokens_per_chunk)
+    return chunks * -(-bytes_per_chunk // HOST_PAGE) * HOST_PAGE
+
+
 def page_size_table(lengths: list[int], sizes: tuple[int, ...] = PAGE_SIZES) -> list[tuple[int, float, float]]:
     """(page size, internal fragmentation as a share of allocated slots, mean page-table entries)."""
     rows = []

@@ -1,0 +1,253 @@
+"""kvpool as the secondary tier of vLLM's own offloading (issue 61): vLLM's scheduler-side tiering classes
+(``TieringOffloadingSpec`` and its ``TieringOffloadingManager``, with the real shared CPU primary region
+vLLM allocates) build ``KVPoolTier`` from the very tier entry the GPU manifest ships, and KV bytes round-trip
+through a real ``kvpool-sidecar serve`` process. The test plays vLLM's GPU worker: it writes chunks into
+the primary region (what vLLM's DMA does) and reads them back after a promotion."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+if os.environ.get("KVPOOL_REQUIRE_ENGINE"):
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm", reason="the tier tests need the vllm extra (make test installs it)")
+
+from engine_support import SidecarProcess
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "inference.yaml"
+LAYERS, HEADS, DIM = 2, 2, 8  # float16: a chunk of 16 tokens is 2 x 2 x 2 x 8 x 2 x 16 = 2,048 bytes
+KV_SHAPE = f"{LAYERS},{HEADS},{DIM},float16"
+CHUNK = 2 * LAYERS * HEADS * DIM * 2 * 16
+END = ScheduleEndContext([], [])
+
+
+def shipped_tier() -> tuple[dict, dict]:
+    """The GPU manifest's kv_connector_extra_config and its kvpool tier entry."""
+    deployment = next(d for d in yaml.safe_load_all(MANIFEST.read_text()) if d and d["kind"] == "Deployment")
+    engine = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "vllm")
+    extra = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    [tier] = extra["secondary_tiers"]
+    return extra, tier
+
+
+def manager(engine_id: str, sidecar: SidecarProcess, **tier_changes):
+    """vLLM's tiering manager for one engine: the shipped config, pointed at this test's sidecar (no token
+    file: the sidecar serves its own user), with a 64-chunk primary tier."""
+    extra, tier = shipped_tier()
+    tier = {k: v for k, v in tier.items() if k != "token_file"} | {"socket": sidecar.socket, **tier_changes}
+    extra = extra | {"cpu_bytes_to_use": 64 * 4096, "secondary_tiers": [tier]}
+    ps = extra["block_size"]
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(ps, tuple(f"layer.{i}" for i in range(LAYERS)), 0),),
+        worker_kv_bytes_per_block=CHUNK, enable_kv_cache_events=False, extra_config=extra, engine_id=engine_id,
+        model=OffloadingModelConfig("org/tiny", "float16"), cache=OffloadingCacheConfig(ps, 1),
+        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
+    spec = TieringOffloadingSpec(config)
+    return spec.get_manager()
+
+
+def keys(tag: str, n: int) -> list[bytes]:
+    return [make_offload_key(f"{tag}-{i}".encode().ljust(32, b"."), 0) for i in range(n)]
+
+
+def primary(m) -> np.ndarray:
+    return np.asarray(m.primary_tier.get_kv_memoryview()).view(np.uint8)
+
+
+def steps_until(m, check, what: str, timeout: float = 10.0) -> None:
+    """Scheduler steps (each ends with on_schedule_end) until ``check()``; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        m.on_schedule_end(END)
+        time.sleep(0.01)
+
+
+def store(m, req: str, ks: list[bytes], fill: int) -> None:
+    """vLLM's GPU->CPU store of ``ks`` (bytes ``fill + i`` in chunk i), then its cascade into kvpool."""
+    ctx = ReqContext(req)
+    m.on_new_request(ctx)
+    out = m.prepare_store(ks, ctx)
+    view = primary(m)
+    for i, chunk in enumerate(out.store_spec.chunk_ids):
+        view[chunk, :CHUNK] = fill + i
+    del view
+    m.complete_store(out.keys_to_store, ctx)  # -> KVPoolTier.submit_store
+    m.on_request_finished(ctx)
+
+
+def lookups(m, ctx: ReqContext, ks: list[bytes], timeout: float = 10.0) -> list[LookupResult]:
+    """vLLM's scan of a request's keys, step after step, until every answer is final (HIT or MISS)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = []
+        for k in ks:
+            got.append(m.lookup(k, ctx))
+            if got[-1] is LookupResult.MISS:
+                break
+        if all(r in (LookupResult.HIT, LookupResult.MISS) for r in got):
+            return got
+        assert time.monotonic() < deadline, f"lookups never settled: {got}"
+        m.on_schedule_end(END)
+        time.sleep(0.01)
+
+
+def loaded_bytes(m, ctx: ReqContext, ks: list[bytes]) -> list[int]:
+    spec = m.prepare_load(ks, ctx)
+    view = primary(m)
+    out = [int(view[c, :CHUNK].min()) if view[c, :CHUNK].min() == view[c, :CHUNK].max() else -1
+           for c in spec.chunk_ids]
+    del view
+    m.complete_load(ks, ctx)
+    return out
+
+
+@pytest.fixture
+def sidecar(tmp_path):
+    side = SidecarProcess(tmp_path, pages=64, kv_shape=KV_SHAPE,
+                          config={"pageSize": shipped_tier()[0]["block_size"], "eviction": {"policy": "lru"},
+                                  "pinning": {"autoPin": {"enabled": False}}})
+    side.start()
+    yield side
+    if side.proc is not None:
+        os.kill(side.proc.pid, signal.SIGCONT)
+    side.stop()
+
+
+def test_two_engines_share_pages_through_kvpool_behind_vllms_primary_tier(sidecar):
+    """Engine 1 stores three chunks; engine 2 (another manager, another primary region) finds them in
+    kvpool, promotes them, and reads the very bytes engine 1 wrote. A page is committed only after its
+    bytes are written: with the tier's copy held back, the sidecar has nothing cached yet."""
+    one, two = manager("e1", sidecar), manager("e2", sidecar)
+    try:
+        tier = one.secondary_tiers[0]
+        gate = threading.Event()
+        tier.side._lane.submit(gate.wait, 30)  # the tier's copy lane, held: the store's copy waits behind
+        ks = keys("doc", 3)
+        store(one, "r1", ks, fill=7)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["sequences"] == 1, "the store was never admitted")
+        time.sleep(0.2)
+        assert sidecar.get("/v1/stats")["cached_pages"] == 0  # admitted, not written: not published
+        gate.set()
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 3 and not one.has_pending_work(),
+                    "the written pages were never committed")
+
+        ctx = ReqContext("r2")
+        two.on_new_request(ctx)
+        assert lookups(two, ctx, ks) == [LookupResult.HIT] * 3  # promoted from kvpool into engine 2's tier
+        assert loaded_bytes(two, ctx, ks) == [7, 8, 9]
+        two.on_request_finished(ctx)
+        steps_until(two, lambda: sidecar.get("/v1/stats")["sequences"] == 0, "the lookup's hold was never released")
+        assert sidecar.metric('kvpool_connector_tokens_total{direction="saved"}') == 3 * 16
+        assert sidecar.metric('kvpool_connector_tokens_total{direction="loaded"}') == 3 * 16
+    finally:
+        one.shutdown()
+        two.shutdown()
+
+
+def test_a_store_whose_session_ended_before_its_write_is_never_published(sidecar):
+    """The store is admitted, then the tier's link fails before the copy runs: the session's fence is
+    cleared, the copy writes nothing and the job is reported failed; nothing of it is ever published."""
+    one = manager("e1", sidecar)
+    try:
+        tier = one.secondary_tiers[0]
+        gate = threading.Event()
+        tier.side._lane.submit(gate.wait, 30)
+        store(one, "r1", keys("lost", 2), fill=3)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["sequences"] == 1, "the store was never admitted")
+        tier.side.link._conn.sock.close()  # the link fails: the sidecar ends the session and clears its fence
+        steps_until(one, lambda: sidecar.metric("kvpool_engine_lapsed_sequences_total") == 1, "never lapsed")
+        gate.set()
+        steps_until(one, lambda: not one.has_pending_work(), "the failed store was never reported")
+        time.sleep(2.5)  # past the sidecar's quarantine (2 s): its pages went back unpublished
+        stats = sidecar.get("/v1/stats")
+        assert stats["cached_pages"] == 0 and stats["sequences"] == 0
+        assert sidecar.metric('kvpool_connector_failures_total{operation="save"}') >= 1
+    finally:
+        one.shutdown()
+
+
+def test_a_load_of_a_page_the_pool_lost_is_reported_failed_and_vllm_recomputes(sidecar):
+    """Engine 2 finds the chunks in kvpool, then the sidecar is killed -9 and restarted before the
+    promotion's copy runs: the pool (a new epoch) no longer holds them, the job fails, and vLLM's manager
+    answers MISS for those keys (the engine computes them)."""
+    one = manager("e1", sidecar)
+    two = manager("e2", sidecar)
+    try:
+        ks = keys("gone", 2)
+        store(one, "r1", ks, fill=5)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 2, "never stored")
+        tier = two.secondary_tiers[0]
+        gate = threading.Event()
+        ctx = ReqContext("r2")
+        two.on_new_request(ctx)
+        two.lookup(ks[0], ctx)
+        two.lookup(ks[1], ctx)
+        two.on_schedule_end(END)  # the hold-only admission goes out
+        steps_until(two, lambda: all(tier.side.lookup("r2", k[:-4]) == "hit" for k in ks), "no hit")
+        tier.side._lane.submit(gate.wait, 30)
+        assert [two.lookup(k, ctx) for k in ks] == [LookupResult.HIT_PENDING] * 2  # promotions start
+        two.on_schedule_end(END)  # -> KVPoolTier.submit_load, queued behind the gate
+        sidecar.kill()
+        sidecar.start()  # same port: it takes over its segment under a new epoch
+        gate.set()
+        steps_until(two, lambda: not two.has_pending_work(), "the load was never reported")
+        two.lookup(ks[0], ctx)  # vLLM's manager takes the tier's report in
+        # The promotion failed: vLLM's primary tier dropped the slots it had allocated (a success would
+        # have made them HIT, with whatever bytes the old segment still held).
+        assert [two.primary_tier.lookup(k, ctx) for k in ks] == [LookupResult.MISS] * 2
+        two.on_request_finished(ctx)
+    finally:
+        one.shutdown()
+        two.shutdown()
+
+
+def test_a_stopped_sidecar_holds_no_lookup_past_the_budget(sidecar):
+    """SIGSTOP: each lookup call returns at once (RETRY), and once the tier's lookup_wait_ms has passed
+    since its keys were sent the answer is MISS: vLLM computes the prompt; nothing waited for the sidecar."""
+    one = manager("e1", sidecar, lookup_wait_ms=50)
+    try:
+        os.kill(sidecar.proc.pid, signal.SIGSTOP)
+        ctx = ReqContext("r")
+        one.on_new_request(ctx)
+        ks = keys("stopped", 4)
+        started = time.monotonic()
+        slowest = 0.0
+        verdict = None
+        while verdict is None:
+            for k in ks:
+                t = time.monotonic()
+                result = one.lookup(k, ctx)
+                slowest = max(slowest, time.monotonic() - t)
+                if result is LookupResult.MISS:
+                    verdict = time.monotonic() - started
+                    break
+            one.on_schedule_end(END)
+            time.sleep(0.005)
+            assert time.monotonic() - started < 5, "the lookups never gave up"
+        assert slowest < 0.02  # no lookup call waited for the sidecar
+        assert 0.05 <= verdict < 1.0  # MISS once the budget was spent, not before
+        one.on_request_finished(ctx)
+        os.kill(sidecar.proc.pid, signal.SIGCONT)
+    finally:
+        os.kill(sidecar.proc.pid, signal.SIGCONT)
+        one.shutdown()
