@@ -49,7 +49,7 @@ def shipped_tier() -> tuple[dict, dict]:
     return extra, tier
 
 
-def manager(engine_id: str, sidecar: SidecarProcess, **tier_changes):
+def manager(engine_id: str, sidecar: SidecarProcess, events: bool = False, **tier_changes):
     """vLLM's tiering manager for one engine: the shipped config, pointed at this test's sidecar (no token
     file: the sidecar serves its own user), with a 64-chunk primary tier."""
     extra, tier = shipped_tier()
@@ -58,7 +58,7 @@ def manager(engine_id: str, sidecar: SidecarProcess, **tier_changes):
     ps = extra["block_size"]
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(ps, tuple(f"layer.{i}" for i in range(LAYERS)), 0),),
-        worker_kv_bytes_per_block=CHUNK, enable_kv_cache_events=False, extra_config=extra, engine_id=engine_id,
+        worker_kv_bytes_per_block=CHUNK, enable_kv_cache_events=events, extra_config=extra, engine_id=engine_id,
         model=OffloadingModelConfig("org/tiny", "float16"), cache=OffloadingCacheConfig(ps, 1),
         parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
     spec = TieringOffloadingSpec(config)
@@ -250,4 +250,22 @@ def test_a_stopped_sidecar_holds_no_lookup_past_the_budget(sidecar):
         os.kill(sidecar.proc.pid, signal.SIGCONT)
     finally:
         os.kill(sidecar.proc.pid, signal.SIGCONT)
+        one.shutdown()
+
+
+def test_the_tier_announces_what_it_published_as_vllms_offloading_events(sidecar):
+    """With vLLM's KV events on, the chunks a store published in kvpool come out of vLLM's manager as
+    this tier's events (stored, medium CPU), once committed."""
+    from vllm.v1.kv_offload.base import Medium
+
+    one = manager("e1", sidecar, events=True)
+    try:
+        ks = keys("announced", 3)
+        store(one, "r1", ks, fill=1)
+        seen: list = []
+        steps_until(one, lambda: seen.extend(e for e in one.take_events() if e.ownership == "KVPoolTier")
+                    or any(not e.removed for e in seen), "no stored event from the tier")
+        stored = [k for e in seen if not e.removed for k in e.keys]
+        assert stored == ks and all(e.medium is Medium.CPU for e in seen)
+    finally:
         one.shutdown()

@@ -50,3 +50,24 @@ def test_vllm_runs_piecewise_cuda_graphs_with_the_connector_never_full_ones(tmp_
     assert resolved_cudagraph_mode(model, connector=False, gpu_compilation=True) == CUDAGraphMode.FULL_AND_PIECEWISE
     assert not resolved_cudagraph_mode(model, connector=True, gpu_compilation=False).has_full_cudagraphs()
     assert resolved_cudagraph_mode(model, connector=False, gpu_compilation=False).has_full_cudagraphs()
+
+
+def test_a_cuda_engine_runs_the_connectors_never_run_copy_path_only_when_opted_in(caplog):
+    """The connector's own CUDA copies have never run on a GPU: a CUDA engine refuses to start with it,
+    naming the path to use instead and the opt-in; opted in, it starts with a warning naming that code.
+    A CPU engine is not concerned."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+    from kvpool_sidecar.engines.blocks import LayoutError, check_cuda_path
+    from kvpool_sidecar.engines.settings import parse_settings
+
+    gpu = [SimpleNamespace(rows=SimpleNamespace(device=torch.device("cuda", 0)))]
+    cpu = [SimpleNamespace(rows=torch.zeros(2, 2))]
+    with pytest.raises(LayoutError, match=r"never run on a GPU.*KVPoolTier.*untested_cuda: true"):
+        check_cuda_path(gpu, parse_settings({}).untested_cuda)
+    with caplog.at_level(logging.WARNING, logger="kvpool.engine"):
+        check_cuda_path(gpu, parse_settings({"untested_cuda": True}).untested_cuda)
+        check_cuda_path(cpu, False)
+    assert caplog.text.count("copy streams") == 1

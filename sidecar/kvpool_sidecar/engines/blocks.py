@@ -21,6 +21,7 @@ identity, so that an engine of another degree never meets these pages.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,8 @@ from kvpool_sidecar.engines.copies import host_staging
 from kvpool_sidecar.storage import reference
 from kvpool_sidecar.storage.backend import Backend, choose_backend
 from kvpool_sidecar.storage.tensors import ModelShape
+
+log = logging.getLogger("kvpool.engine")
 
 
 class LayoutError(ValueError):
@@ -60,6 +63,23 @@ def engine_layers(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[E
     if not layers:
         raise LayoutError("the engine registered no KV cache layers")
     return layers
+
+
+# What of the connector has never run on a GPU (bench/gpu.py runs it where one is lent).
+UNTESTED_CUDA = ("KVPoolConnector's CUDA copy path (engines/copies.py's copy streams, engines/blocks.py's staged "
+                 "transfers, storage/kernels.py's Triton kernels on the device) has never run on a GPU")
+
+
+def check_cuda_path(layers: list[EngineLayer], untested_cuda: bool) -> None:
+    """A CUDA engine runs the connector's copy path only when the deployment opted in (with a warning
+    naming that code); without the opt-in, a start-up refusal naming the path to use instead."""
+    if layers[0].rows.device.type != "cuda":
+        return
+    if not untested_cuda:
+        raise LayoutError(UNTESTED_CUDA + ": on a GPU, run vLLM's OffloadingConnector with kvpool as its secondary "
+                          "tier (KVPoolTier, manifests/examples/inference.yaml), or set "
+                          "kv_connector_extra_config.untested_cuda: true to run this path anyway")
+    log.warning("kvpool: %s, and runs because untested_cuda is set", UNTESTED_CUDA)
 
 
 def check_compatible(layers: list[EngineLayer], block_size: int, handle: dict[str, Any], ranks: int = 1) -> None:

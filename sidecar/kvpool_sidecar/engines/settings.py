@@ -71,6 +71,10 @@ class ConnectorSettings(ChannelSettings):
     kv_events: bool = Field(
         default=False, description="publish kvpool's tier as the engine's KV events (BlockStored and "
         "BlockRemoved with medium CPU), merged into vLLM's own stream (its --kv-events-config)")
+    untested_cuda: bool = Field(
+        default=False, description="run the connector's own CUDA copy path (never run on a GPU yet: "
+        "bench/gpu.py is the check to run first); on a GPU, vLLM's OffloadingConnector with KVPoolTier "
+        "is the path to use")
 
 
 class TierSettings(ChannelSettings):

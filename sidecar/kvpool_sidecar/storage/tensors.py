@@ -127,22 +127,7 @@ class KVStorage:
         self._fence_serial = secrets.randbits(62)  # values differ from a predecessor's, whose engines may live
         if shared and self.device.type == "cpu":
             nbytes = memory.segment_bytes(shape.bytes_per_page(page_size), pages)
-            prefix = f"kvpool-{instance}-" if instance else "kvpool-"
-            stale = take_over_stale_segment(prefix, nbytes, pages) if instance else None
-            if stale is not None:
-                self._shm, self._tracked = stale, False
-            else:
-                memory.check_fits(nbytes, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
-                self._shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{prefix}{self.epoch:x}")
-                if instance:  # left behind by a SIGKILL, for the restart to take over: not the tracker's to
-                    _untrack(self._shm)  # unlink when this process dies (close() unlinks it)
-                    self._tracked = False
-                try:
-                    memory.reserve(_shm_path(self._shm), nbytes)  # zeros, not written
-                except memory.PoolDoesNotFit:
-                    self._shm.close()
-                    self._shm.unlink()
-                    raise
+            self._shm, self._tracked = _segment(instance, nbytes, pages, self.epoch)
             self._shm.buf[FENCE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - FENCE_OFFSET)  # no session yet
             HEADER.pack_into(self._shm.buf, 0, MAGIC, self.epoch)
             self.kv = _tensor_on(self._shm, dims, shape.torch_dtype)
@@ -303,6 +288,26 @@ class AttachedKV:
 
 
 SHM_DIR = "/dev/shm"
+
+
+def _segment(instance: str | None, nbytes: int, pages: int, epoch: int) -> tuple[shared_memory.SharedMemory, bool]:
+    """The pool's segment, its pages allocated: a named instance's predecessor's when one was left
+    behind, else a new one; and whether this process's resource tracker owns it."""
+    prefix = f"kvpool-{instance}-" if instance else "kvpool-"
+    stale = take_over_stale_segment(prefix, nbytes, pages) if instance else None
+    if stale is not None:
+        return stale, False
+    memory.check_fits(nbytes, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
+    shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{prefix}{epoch:x}")
+    try:
+        memory.reserve(_shm_path(shm), nbytes)  # zeros, not written
+    except memory.PoolDoesNotFit:
+        shm.close()
+        shm.unlink()
+        raise
+    if instance:  # left behind by a SIGKILL, for the restart to take over: not the tracker's to unlink
+        _untrack(shm)  # when this process dies (close() unlinks it)
+    return shm, not instance
 
 
 def take_over_stale_segment(prefix: str, nbytes: int, pages: int) -> shared_memory.SharedMemory | None:
