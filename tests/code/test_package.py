@@ -12,8 +12,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = {"kvpool_sidecar": ROOT / "sidecar" / "kvpool_sidecar",
             "kvpool_operator": ROOT / "operator" / "kvpool_operator"}
-ENTRY_POINTS = ("kvpool_sidecar.cli", "kvpool_operator.cli", "kvpool_sidecar.engines.vllm", "kvpool_sidecar.engines.tier",
-                "kvpool_sidecar.client")
+ENTRY_POINTS = ("kvpool_sidecar.cli", "kvpool_operator.cli", "kvpool_sidecar.engines.vllm",
+                "kvpool_sidecar.engines.tier", "kvpool_sidecar.client")
 
 
 def modules() -> dict[str, Path]:
