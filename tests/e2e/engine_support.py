@@ -61,7 +61,7 @@ class SidecarProcess:
         raise RuntimeError("the sidecar did not start")
 
     def kill(self) -> str:
-        """SIGKILL: no clean-up runs, its shared-memory segment stays (the restart removes it); returns its name."""
+        """SIGKILL: no clean-up runs, its shared-memory segment stays (the restart takes it over); returns its name."""
         assert self.proc is not None
         name = httpx.get(self.url + "/v1/storage/handle").json()["name"]
         os.kill(self.proc.pid, signal.SIGKILL)

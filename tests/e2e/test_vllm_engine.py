@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -145,13 +144,17 @@ def test_c_the_engine_serves_through_a_sidecar_kill_and_uses_kvpool_again_after_
     llm, sidecar, _ = stack
     first, second = pair(300)
     baseline, _ = generate(llm, second, fresh=True)
-    stale = sidecar.kill()  # no clean-up runs (the multiprocessing tracker may still unlink the segment)
+    old_epoch = sidecar.get("/v1/storage/handle")["epoch"]
+    stale = sidecar.kill()  # no clean-up runs: the segment stays, the engine still maps it
     for tokens_in in (first, second, second):
         tokens, from_pool = generate(llm, tokens_in)
         assert from_pool == 0
     assert generate(llm, second)[0] == baseline
     sidecar.start()  # a new pool (new epoch): the worker must map it before copying anything
-    assert not Path("/dev/shm", stale).exists()  # the restarted sidecar removed its predecessor's segment
+    handle = sidecar.get("/v1/storage/handle")
+    # It took over its predecessor's segment (the same file: no second pool beside the one the engine
+    # maps) under a new epoch, so nothing the engine cached of the old pool is read as the new one's.
+    assert handle["name"] == stale and handle["epoch"] != old_epoch
     deadline = time.monotonic() + 30
     from_pool = 0
     while time.monotonic() < deadline and from_pool < PREFIX_BLOCKS * BLOCK:

@@ -135,7 +135,7 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
     storage = None
     if options.kv_shape:
         # Named for this instance (host and port: one per sidecar in a pod), so that a restart finds and
-        # removes the segment a killed predecessor left behind.
+        # takes over the segment a killed predecessor left behind.
         instance = f"{socket.gethostname()}-{options.port}".replace("/", "-")
         storage = KVStorage(parse_shape(options.kv_shape), config.pageSize, pages=options.pages, shared=True,
                             instance=instance)
