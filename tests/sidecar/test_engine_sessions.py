@@ -19,7 +19,7 @@ from kvpool_sidecar.engines.scheduler import SchedulerSide
 from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.storage import KVStorage
 from support import free_port, live_sidecar, socket_path
-from test_engine_connector import CONFIG, PS, SHAPE, done, hashes, hello, wait_for
+from test_engine_connector import CONFIG, PS, SHAPE, done, hashes, hello, save_whole, wait_for
 
 ENGINE, ADMIN, ROUTER = "e" * 24, "a" * 24, "r" * 24
 CREDS = Credentials.parse(f"engine {ENGINE}\nadmin {ADMIN}\nrouter {ROUTER}")
@@ -314,3 +314,27 @@ def test_a_socket_directory_another_user_owns_is_refused(tmp_path):
     mine = tmp_path / "fresh" / "engine.sock"
     check_socket_dir(mine)
     assert (mine.parent.stat().st_mode & 0o777) & ~0o770 == 0  # owner and group only
+
+
+def test_a_hold_only_admission_holds_the_cached_prefix_and_allocates_nothing():
+    """vLLM's tiering asks before it stores: a hold-only admission (KVPoolTier's lookup) holds the leading
+    cached pages for its sequence, allocates no page for the rest and so evicts nothing, and makes no
+    sequence at all when nothing is cached."""
+    path, live = channel(pages=8)
+    with live as (_, sidecar):
+        side = engine(path, "s")
+        for i in range(2):  # 8 cached pages: a full pool
+            save_whole(side, f"p{i}", hashes(4, f"p{i}"), 17, [1, 2, 3, 4, 5])
+        until(lambda: sidecar.pool.stats().cached_pages == 8, "the pool never filled")
+        link = side.link
+        held = link.admit(wire.Admit("look", hashes(4, "p0")[:3] + hashes(2, "new"), 5 * PS, None, hold_only=True))
+        _, got = held.result(5)
+        assert got.cached_tokens == 3 * PS and len(got.page_ids) == 3
+        stats = sidecar.pool.stats()
+        assert stats.sequences == 1 and stats.in_use_pages == 3 and stats.cached_pages == 5  # nothing evicted
+        _, none = link.admit(wire.Admit("miss", hashes(3, "other"), 3 * PS, None, hold_only=True)).result(5)
+        assert none.page_ids == [] and none.cached_tokens == 0 and sidecar.pool.stats().sequences == 1
+        # The held pages cannot be evicted: a store wanting every page gets only others.
+        _, store = link.admit(wire.Admit("store", hashes(8, "flood"), 8 * PS, None)).result(5)
+        assert store.page_ids and not set(store.page_ids) & set(got.page_ids)
+        link.close()
