@@ -269,3 +269,30 @@ def test_the_tier_announces_what_it_published_as_vllms_offloading_events(sidecar
         assert stored == ks and all(e.medium is Medium.CPU for e in seen)
     finally:
         one.shutdown()
+
+
+def test_a_pin_by_token_ids_holds_the_chunks_the_tier_stored(sidecar):
+    """Once vLLM's engine core has seeded its block hashes, the tier's hello tells the sidecar how the
+    engine hashes (a chunk of one block is keyed by that block's hash): a pin naming the served model and
+    a prompt's token ids then pins the chunks the tier stored for it."""
+    import httpx
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    sha256 = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(sha256)  # what vLLM's engine core does once its scheduler is built
+    one = manager("e1", sidecar)
+    try:
+        tokens = list(range(100, 100 + 3 * 16 + 1))
+        parent, hashes = kv_cache_utils.NONE_HASH, []
+        for i in range(3):  # vLLM's chained hashes of the prompt's full blocks, as its scheduler makes them
+            parent = kv_cache_utils.hash_block_tokens(sha256, parent, tokens[i * 16 : (i + 1) * 16], None)
+            hashes.append(bytes(parent))
+        one.on_schedule_end(END)  # the tier learns the engine's hashing before its link first connects
+        store(one, "r1", [make_offload_key(h, 0) for h in hashes], fill=4)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 3, "never stored")
+        r = httpx.post(sidecar.url + "/v1/pins", json={"tokens": tokens, "model": "org/tiny"}, timeout=5)
+        assert r.status_code == 201 and len(r.json()["pages"]) == 3, r.text
+        assert sidecar.get("/v1/stats")["pinned_pages"] == 3
+    finally:
+        one.shutdown()

@@ -24,10 +24,14 @@ import secrets
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import msgspec
 import numpy as np
 import torch
 from typing_extensions import override
 from vllm.config import get_current_vllm_config_or_none
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens, resolve_none_hash_seed
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
@@ -56,6 +60,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
 log = logging.getLogger("kvpool.engine")
+CRYPTO_HASHES = ("sha256", "sha256_cbor")  # seeded the same in every process (the others are not, by default)
 WHERE = "kv_connector_extra_config.secondary_tiers[KVPoolTier]"
 _RESULTS = {HIT: LookupResult.HIT, MISS: LookupResult.MISS}
 
@@ -95,6 +100,10 @@ class KVPoolTier(SecondaryTierManager):
                              default_meta=settings.defaults.model_dump(),
                              trust_request_params=settings.trust_request_params)
         self._jobs: dict[int, list[OffloadKey]] = {}
+        # Pins by token ids need the engine's block hashing in the hello; a chunk of one block is keyed as
+        # vLLM keys that block, so the sidecar can name the pages from token ids. Learnt once the engine
+        # core has seeded its hashes (after this tier is built), before the link first connects.
+        self._hashing_pending = config.cache.blocks_per_chunk == 1
 
     def _check_pool(self, welcome: Any) -> None:
         """Refuse a sidecar whose pages cannot hold vLLM's chunks (naming both); only warn about one that
@@ -183,7 +192,18 @@ class KVPoolTier(SecondaryTierManager):
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._hashing_pending:
+            self._learn_hashing()
         self.side.flush()
+
+    def _learn_hashing(self) -> None:
+        """Put the engine's block hashing in the hello, once vLLM's engine core has set its NONE_HASH."""
+        hashing = engine_hashing(self.page_size)
+        if hashing is None:
+            return
+        self._hashing_pending = False
+        link = self.side.link
+        link.hello = msgspec.structs.replace(link.hello, hashing=hashing)
 
     @override
     def drain_jobs(self) -> None:
@@ -192,3 +212,18 @@ class KVPoolTier(SecondaryTierManager):
     @override
     def shutdown(self) -> None:
         self.side.close()
+
+
+def engine_hashing(block_size: int) -> wire.Hashing | None:
+    """How this engine core hashes its blocks: the function whose hash of vLLM's NONE_HASH seed is the
+    NONE_HASH the engine core set (None before it did, or for a hash seeded at random per process), with
+    vLLM's own hash of the probe block of token ids 0..block_size-1."""
+    none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
+    if none_hash is None:
+        return None
+    for algo in CRYPTO_HASHES:
+        fn = get_hash_fn_by_name(algo)
+        seed = resolve_none_hash_seed(fn)
+        if fn(seed) == none_hash:
+            return wire.Hashing(algo, seed, bytes(hash_block_tokens(fn, BlockHash(none_hash), range(block_size), None)))
+    return None
