@@ -49,9 +49,14 @@ def shipped_tier() -> tuple[dict, dict]:
     return extra, tier
 
 
+REGIONS: list[Path] = []  # vLLM's primary regions the tests made (its scheduler side leaves the file)
+
+
 def manager(engine_id: str, sidecar: SidecarProcess, events: bool = False, **tier_changes):
     """vLLM's tiering manager for one engine: the shipped config, pointed at this test's sidecar (no token
     file: the sidecar serves its own user), with a 64-chunk primary tier."""
+    engine_id = f"kvpool-test-{os.getpid()}-{engine_id}"
+    REGIONS.append(Path(f"/dev/shm/vllm_offload_{engine_id}.mmap"))
     extra, tier = shipped_tier()
     tier = {k: v for k, v in tier.items() if k != "token_file"} | {"socket": sidecar.socket, **tier_changes}
     extra = extra | {"cpu_bytes_to_use": 64 * 4096, "secondary_tiers": [tier]}
@@ -131,6 +136,8 @@ def sidecar(tmp_path):
     if side.proc is not None:
         os.kill(side.proc.pid, signal.SIGCONT)
     side.stop()
+    while REGIONS:
+        REGIONS.pop().unlink(missing_ok=True)
 
 
 def test_two_engines_share_pages_through_kvpool_behind_vllms_primary_tier(sidecar):
