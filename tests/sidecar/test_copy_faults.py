@@ -18,9 +18,9 @@ from test_engine_connector import (
     CONFIG,
     PS,
     SHAPE,
-    GatedCopier,
     done,
     engine_kv,
+    gated_worker,
     hashes,
     hello,
     save_whole,
@@ -106,9 +106,7 @@ def test_a_save_held_back_past_the_quarantine_never_overwrites_a_page_another_se
     path = socket_path()
     with live_sidecar(CONFIG, pages=4, storage=storage, engine_socket=path, engine_quarantine=0.3) as (_, sidecar):
         kv_a = {name: torch.full_like(t, 1.0) for name, t in engine_kv(6, "cpu").items()}
-        worker_a = WorkerSide(welcome_of(path), engine_layers(kv_a, 6), PS)
-        worker_a.attach(strict=True)
-        worker_a.copier = gated = GatedCopier(worker_a.copier)  # type: ignore[assignment]
+        worker_a, gated = gated_worker(path, kv_a)
         a = SchedulerSide(SidecarLink(path, hello(session="a")), PS, session="a", lookup_wait=1.0)
         wait_for(a, "r", hashes(3, "a"), 13, 0, None)
         a.allocated("r", [1, 2, 3, 4], 0)
@@ -157,10 +155,7 @@ def test_the_save_lane_skips_saves_rather_than_fall_further_behind():
     path = socket_path()
     with live_sidecar(CONFIG, pages=16, storage=storage, engine_socket=path) as (_, sidecar):
         now = [100.0]
-        worker = WorkerSide(welcome_of(path), engine_layers(engine_kv(8, "cpu"), 8), PS, max_save_backlog=1.0,
-                            clock=lambda: now[0])
-        worker.attach(strict=True)
-        worker.copier = gated = GatedCopier(worker.copier)  # type: ignore[assignment]
+        worker, gated = gated_worker(path, engine_kv(8, "cpu"), max_save_backlog=1.0, clock=lambda: now[0])
         side = SchedulerSide(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
         wait_for(side, "r", hashes(6), 25, 0, None)
         side.allocated("r", list(range(1, 8)), 0)

@@ -729,17 +729,24 @@ class GatedCopier:
         self.copier.save(*args)
 
 
+def gated_worker(path: str, kv: dict[str, torch.Tensor], **kw) -> tuple[WorkerSide, GatedCopier]:
+    """A worker mapping the sidecar's pool at ``path``, its saves held at a gate."""
+    blocks = next(iter(kv.values())).shape[0]
+    worker = WorkerSide(welcome_of(path), engine_layers(kv, blocks), PS, **kw)
+    worker.attach(strict=True)
+    worker.copier = gated = GatedCopier(worker.copier)  # type: ignore[assignment]
+    return worker, gated
+
+
 def test_a_step_returns_before_its_save_is_written_and_the_page_is_committed_only_after():
     """Saves run off the forward path: the step returns with its copy still running; the scheduler
     commits nothing, and the engine gets the finished request back (its blocks) only once the copy
-    is written; a preempted request's queued saves are waited for before its blocks are reused."""
+    is written (a preempted request's: the next test)."""
     storage = KVStorage(SHAPE, PS, pages=16, shared=True)
     path = socket_path()
     with live_sidecar(CONFIG, pages=16, storage=storage, engine_socket=path) as (_, sidecar):
         kv = engine_kv(6, "cpu")
-        worker = WorkerSide(welcome_of(path), engine_layers(kv, 6), PS)
-        worker.attach(strict=True)
-        worker.copier = gated = GatedCopier(worker.copier)  # type: ignore[assignment]
+        worker, gated = gated_worker(path, kv)
         side = SchedulerSide(SidecarLink(path, hello()), PS, session="s1", lookup_wait=0.5)
         wait_for(side, "r", hashes(3), 13, 0, None)
         side.allocated("r", [1, 2, 3, 4], 0)
@@ -780,9 +787,7 @@ def test_a_preemption_under_a_held_back_save_lane_returns_at_once_and_commits_no
     path = socket_path()
     with live_sidecar(CONFIG, pages=16, storage=storage, engine_socket=path) as (_, sidecar):
         kv = engine_kv(8, "cpu")
-        worker = WorkerSide(welcome_of(path), engine_layers(kv, 8), PS)
-        worker.attach(strict=True)
-        worker.copier = gated = GatedCopier(worker.copier)  # type: ignore[assignment]
+        worker, gated = gated_worker(path, kv)
         side = SchedulerSide(SidecarLink(path, hello()), PS, session="s1", lookup_wait=0.5)
         wait_for(side, "q", hashes(4, "q"), 17, 0, None)
         side.allocated("q", [5, 4, 3, 2, 1], 0)

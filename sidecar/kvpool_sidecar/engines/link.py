@@ -226,6 +226,20 @@ class SidecarLink:
     def release(self, seq_id: str, generation: int) -> None:
         self._put(("release", (seq_id, generation, None), None), None)
 
+    def release_when_answered(self, admission: Future, seq_id: str) -> None:
+        """The caller no longer waits for ``admission``: release its sequence once it is answered (if it
+        made one: a hold-only admission that found nothing makes none)."""
+
+        def release_late(f: Future) -> None:
+            try:
+                gen, result = f.result()
+            except Exception:
+                return
+            if result.page_ids:
+                self.release(seq_id, gen)
+
+        admission.add_done_callback(release_late)
+
     def _put(self, item: _Item, future: Future | None) -> None:
         if self._closed:
             if future is not None:

@@ -285,15 +285,7 @@ class SchedulerSide:
     def _give_up(self, req: _Request) -> None:
         future, req.future = req.future, None
         assert future is not None
-
-        def release_late(f: Future) -> None:
-            try:
-                gen, _ = f.result()
-            except Exception:
-                return
-            self.link.release(req.seq_id, gen)
-
-        future.add_done_callback(release_late)
+        self.link.release_when_answered(future, req.seq_id)
 
     # ------------------------------------------------------------------------------- blocks
     def allocated(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:

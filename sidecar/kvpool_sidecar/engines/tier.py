@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
@@ -138,17 +138,16 @@ class KVPoolTier(SecondaryTierManager):
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        self._jobs[job_metadata.job_id] = keys
-        self.side.submit_store(job_metadata.job_id, job_metadata.req_context.req_id, [self._hash(k) for k in keys],
-                               [int(c) for c in job_metadata.chunk_ids])
+        self._submit(job_metadata, self.side.submit_store)
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        self._jobs[job_metadata.job_id] = keys
-        self.side.submit_load(job_metadata.job_id, job_metadata.req_context.req_id, [self._hash(k) for k in keys],
-                              [int(c) for c in job_metadata.chunk_ids])
+        self._submit(job_metadata, self.side.submit_load)
+
+    def _submit(self, job: TransferJob, submit: Callable[[int, str, list[bytes], list[int]], None]) -> None:
+        keys = list(job.keys)
+        self._jobs[job.job_id] = keys  # its keys, for the report of which succeeded
+        submit(job.job_id, job.req_context.req_id, [self._hash(k) for k in keys], [int(c) for c in job.chunk_ids])
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:

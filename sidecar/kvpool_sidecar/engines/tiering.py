@@ -76,7 +76,6 @@ class _Request:
     answers: dict[bytes, _Hold | None] = field(default_factory=dict)  # asked key -> its hold (None: a miss)
     batch: list[bytes] = field(default_factory=list)  # keys asked this step, sent at its end
     holds: list[_Hold] = field(default_factory=list)
-    ended: bool = False
 
 
 @dataclass
@@ -131,7 +130,6 @@ class TierSide:
         req = self._requests.pop(req_id, None)
         if req is None:
             return
-        req.ended = True
         for hold in req.holds:
             if hold.loading == 0:
                 self._release(req, hold)
@@ -207,16 +205,7 @@ class TierSide:
         future, hold.future = hold.future, None
         hold.live = False
         assert future is not None
-
-        def release_late(f: Future) -> None:
-            try:
-                gen, result = f.result()
-            except Exception:
-                return
-            if result.page_ids:
-                self.link.release(hold.seq_id, gen)
-
-        future.add_done_callback(release_late)
+        self.link.release_when_answered(future, hold.seq_id)
 
     def _release(self, req: _Request, hold: _Hold) -> None:
         if hold.future is not None:

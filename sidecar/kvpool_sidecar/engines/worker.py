@@ -44,6 +44,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 from kvpool_sidecar import wire
@@ -267,17 +268,14 @@ class WorkerSide:
         for (epoch, fence), group in _by_pool(plan.saves).items():
             req_ids = [job.req_id for job in group]
             tokens = {job.req_id: len(job.pages) * self.block_size for job in group}
-            flight = _Flight(plan.step, req_ids, tokens, now)
-            mapped = None if skip else self._mapping(epoch)
+            flight = _Flight(plan.step, req_ids, tokens, now, skipped=skip)
             if skip:
                 self.done.report.fail("save_skipped", len(group))
-                flight.skipped = True
                 flight.written.set_result(set(req_ids))
-            elif mapped is None:
+            elif (mapped := self._mapping(epoch)) is None:
                 flight.written.set_result(set(req_ids))
             else:
-                copied = self.copies.submit(lambda m=mapped, g=group, f=fence, fl=flight: self._write(m, g, f, fl))
-                flight.written = copied
+                flight.written = self.copies.submit(partial(self._write, mapped, group, fence, flight))
             self._flights.append(flight)
         self._flights.append(_Flight(plan.step, [], {}, now, _DONE))  # the step's report, after its saves
 
