@@ -21,7 +21,8 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: the segment layout with the writers' slot locks (storage.tensors.LAYOUT); any change to a
+# message or to the segment's layout changes it, and a hello of another version is refused naming both
 MAX_FRAME = 64 << 20  # bytes of one frame after the hello (the connector keeps its steps under STEP_BYTES)
 MAX_HELLO = 16 << 10  # bytes of the first frame, read before anyone is authenticated (a model id is 4 KiB)
 MAX_OPS = 4096  # admissions, commits or releases in one step

@@ -21,8 +21,10 @@ identity, so that an engine of another degree never meets these pages.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,11 +186,10 @@ class PageCopier:
             self.load_layer(pool_kv, li, pages, blocks)
 
     def save(self, pool_kv: torch.Tensor, blocks: list[int], pages: list[int],
-             guard: Callable[[], None] | None = None) -> None:
-        """Engine blocks -> pool pages, every layer; ``guard`` runs before each layer's write (it raises to
-        stop the save: the worker's check that the pages are still this session's to write)."""
+             guard: Callable[[], AbstractContextManager[None]] | None = None) -> None:
+        """Engine blocks -> pool pages, every layer; each layer's write is one slice made within ``guard()``
+        (which raises to stop the save: the worker's right to write these pages, :meth:`AttachedKV.writing`)."""
         for li, layer in enumerate(self.layers):
-            if guard is not None:
-                guard()
             pool_ids, engine_ids = self._row_ids(pages, blocks, li, layer)
-            self._move(layer.rows, engine_ids, self._pool_rows(pool_kv, layer.parts), pool_ids)
+            with guard() if guard is not None else contextlib.nullcontext():
+                self._move(layer.rows, engine_ids, self._pool_rows(pool_kv, layer.parts), pool_ids)

@@ -24,7 +24,8 @@ its fence stops its copies the moment it ends, its lapsed pages are quarantined)
   fence checked after the read; a key whose page is not held by this request's lookup (or whose hold
   lapsed) fails alone and vLLM recomputes it. The hold is released once its load job is reported.
 * stores (cascades): one admission per job (pages for what the pool lacks), the primary chunks copied
-  into the fresh pages (the fence checked before the write and after), then committed and released on
+  into the fresh pages in slices of at most ``SLICE_BYTES``, each under the session's lock with the
+  fence checked first (:meth:`AttachedKV.writing`), then committed and released on
   the link, in that order: a page is published only after its bytes are written. vLLM keeps the
   primary chunks pinned until the job is reported done.
 """
@@ -48,7 +49,7 @@ from kvpool_sidecar import wire
 from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLink
 from kvpool_sidecar.engines.scheduler import META_FIELDS
 from kvpool_sidecar.storage import KVStorage, StaleHandle
-from kvpool_sidecar.storage.tensors import AttachedKV
+from kvpool_sidecar.storage.tensors import SLICE_BYTES, AttachedKV
 
 log = logging.getLogger("kvpool.engine")
 HIT, MISS, RETRY = "hit", "miss", "retry"
@@ -306,12 +307,14 @@ class TierSide:
         try:
             mapped = self._mapping(result.epoch) if result.epoch is not None else None
             if mapped is not None and gen == self.link.generation:
-                if fresh:
-                    pages = torch.tensor(fresh, dtype=torch.int64)
-                    rows = self.primary.index_select(0, torch.tensor(chunks[hits:admitted], dtype=torch.int64))
-                    mapped.check(result.fence)  # the session still holds these pages
-                    _rows(mapped).index_copy_(0, pages, rows)
-                    mapped.check(result.fence)
+                src = chunks[hits:admitted]
+                per = max(1, SLICE_BYTES // self.page_bytes)
+                for at in range(0, len(fresh), per):  # each slice under the session's lock, checked first
+                    pages = torch.tensor(fresh[at : at + per], dtype=torch.int64)
+                    rows = self.primary.index_select(0, torch.tensor(src[at : at + per], dtype=torch.int64))
+                    with mapped.writing(result.fence):
+                        _rows(mapped).index_copy_(0, pages, rows)
+                mapped.check(result.fence)
                 written = True
         except (StaleHandle, RuntimeError, IndexError, OSError) as exc:
             log.warning("kvpool tier: storing %d chunks failed (%s)", len(fresh), exc)

@@ -6,9 +6,10 @@ Safety rules (a wrong KV page is a wrong answer):
   reported so the engine recomputes those blocks, a failed save is reported so that the scheduler never
   commits it (nor anything of that request after it);
 * every job names its session's fence word in the pool's header, which the sidecar clears the moment the
-  session's connection ends: a save checks it before each layer it writes and a load after it has read,
-  so once the sidecar may hand the session's pages on (its quarantine over) nothing of this engine
-  writes them, and nothing read from them is used;
+  session's connection ends: a save writes each layer as one slice under :meth:`AttachedKV.writing` (the
+  session's slot locked, then the fence checked: the sidecar hands the session's pages on only once no
+  slice holds the lock) and a load checks it after it has read, so once the sidecar may hand the
+  session's pages on nothing of this engine writes them, and nothing read from them is used;
 * the worker never commits: it reports each step whose saves are written (:class:`~.scheduler.StepDone`,
   through the engine's own worker-to-scheduler metadata, which vLLM aggregates over its ranks) and the
   scheduler commits a step's saves once every rank has reported it, none of them failed (a
@@ -296,7 +297,7 @@ class WorkerSide:
         if live:
             try:
                 self.copier.save(mapped.kv, [b for job in live for b in job.blocks], pages,
-                                 lambda: mapped.check(fence))
+                                 lambda: mapped.writing(fence))
                 mapped.check(fence)
             except (StaleHandle, RuntimeError, IndexError) as exc:
                 log.warning("kvpool: saving %d pages of %d requests failed (%s)", len(pages), len(live), exc)

@@ -65,6 +65,7 @@ log = logging.getLogger("kvpool.sidecar")
 HELLO_TIMEOUT = 5.0  # seconds a new connection has to say who it is
 MAX_HANDSHAKES = 64  # connections not yet authenticated at once; more are closed unread
 TAKEOVER_WAIT = 1.0  # seconds a hello naming a connected session waits for the old connection to end
+WRITER_POLL = 0.02  # seconds between two looks at an ended session's writers (a slice takes milliseconds)
 DEFAULT_QUARANTINE = wire.QUARANTINE_SECONDS
 ENGINE = Principal("engine")
 
@@ -207,8 +208,13 @@ class EngineChannel:
             self.sidecar.metrics.engine_sessions.set(len(self.sessions))
         sc = self.sidecar
         handle = sc.storage.handle() if sc.storage is not None else None
-        writer.write(wire.frame(wire.Welcome(msg.session, handle, sc.pool.page_size)))
-        await writer.drain()
+        try:
+            writer.write(wire.frame(wire.Welcome(msg.session, handle, sc.pool.page_size)))
+            await writer.drain()
+        except BaseException:  # the engine left before its welcome (its connect timed out): nothing of it stays
+            if msg.role == "scheduler":
+                await self._lapse(session)
+            raise
         return session
 
     def _who(self, token: str | None, writer: asyncio.StreamWriter) -> tuple[Principal | None, str]:
@@ -229,6 +235,7 @@ class EngineChannel:
         """The session's connection is gone: what it held lapses, into quarantine."""
         session.ended.set()
         sc = self.sidecar
+        slot = session.fence[0] if session.fence is not None else None
         if sc.storage is not None:  # first: its engine's queued copies stop at their next check
             sc.storage.close_fence(session.fence)
             session.fence = None
@@ -243,21 +250,29 @@ class EngineChannel:
         seqs, session.live = list(session.live), set()
         pages = await sc.run_background(_pages_held, sc, seqs)
         sc.metrics.lapsed_sequences.inc(len(seqs))
-        if self.quarantine <= 0:
-            await self._release(seqs, 0)
-            return
         sc.metrics.quarantined_pages.inc(pages)
-        log.warning("engine session %s ended holding %d sequences: their %d pages stay out of circulation for "
-                    "%g s (its engine may still be copying them), then are released", session.id, len(seqs), pages,
-                    self.quarantine)
-        task = asyncio.create_task(self._release(seqs, pages, self.quarantine))
+        if self.quarantine > 0:
+            log.warning("engine session %s ended holding %d sequences: their %d pages stay out of circulation for "
+                        "%g s (its engine may still be copying them), then are released", session.id, len(seqs),
+                        pages, self.quarantine)
+        task = asyncio.create_task(self._release(seqs, pages, self.quarantine, slot))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _release(self, seqs: list[str], pages: int, delay: float = 0.0) -> None:
-        if delay:
+    async def _release(self, seqs: list[str], pages: int, delay: float, slot: int | None) -> None:
+        """After the quarantine, and once no writer of the session is in the middle of a slice (whatever
+        stalled it between its check and its write: its lock is held until the slice is written), the
+        session's sequences are released and their pages may go to another writer."""
+        if delay > 0:
             await asyncio.sleep(delay)
         sc = self.sidecar
+        waited = 0.0
+        while slot is not None and sc.storage is not None and sc.storage.writers_on(slot):
+            if waited == 0.0:
+                log.warning("an ended engine session's writer is still in the middle of a copy: its pages stay out "
+                            "of circulation until that copy ends or its process exits")
+            await asyncio.sleep(WRITER_POLL)
+            waited += WRITER_POLL
 
         def release_all() -> None:
             for seq in seqs:

@@ -17,19 +17,36 @@ Handshake (the engine's side is :meth:`KVStorage.attach`):
    fit there until that engine lets go, which it does only once a sidecar answers it.
 4. After the epoch, the header holds one *fence* word per engine session (:data:`FENCE_SLOTS`): the
    sidecar writes a session's word when the session starts and clears it the moment the session's
-   connection ends, and every copy the session's engine planned names its word and value. A worker
-   checks them before each layer it writes and after each load it reads, so an engine whose session
-   ended (its link failed, the sidecar restarted) stops writing pages the sidecar will hand to another
-   writer once the session's quarantine ends, however many of its saves are still queued.
+   connection ends, and every copy the session's engine planned names its word and value. A load
+   checks them after it has read (what it read is used only if the session still stood).
+5. Writers announce their writes. Every write into the segment is a *slice* (a layer of a step's pages,
+   or at most :data:`SLICE_BYTES` of a tier's store) made under :meth:`AttachedKV.writing`: the writer
+   takes a shared lock on its session's slot (an open-file-description lock on byte ``slot`` of the
+   segment's file, which the kernel drops whatever ends the writer's process: exit, SIGKILL, OOM), *then*
+   checks the epoch and its fence, writes, and unlocks. The sidecar clears a session's fence, then
+   hands the session's pages on only once no lock is held on its slot (:meth:`KVStorage.writers_on`),
+   and a restart that takes over a segment stamps its new epoch, then waits until no lock is held at
+   all before it serves (:data:`TAKEOVER_WAIT`). The lock and the check are ordered through the kernel's
+   lock table, so either the sidecar sees the writer's lock and waits for the slice, or the writer sees
+   the cleared fence and refuses the write: no write of an ended session lands in a page handed on,
+   however long its thread was stalled between its check and its write.
+
+The layout is versioned: :data:`LAYOUT` is in the magic number and in every handle, and any change to
+the header or to how pages are laid out changes it (and the channel's ``wire.PROTOCOL``), so that an
+engine built for another layout is refused by name rather than mapping the pool at the wrong offsets.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import secrets
 import struct
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -39,12 +56,23 @@ import torch
 from kvpool_sidecar.storage import memory, reference
 from kvpool_sidecar.storage.backend import Backend, choose_backend
 
-MAGIC = 0x4B56504F4F4C3031  # "KVPOOL01"
+LAYOUT = 2  # the segment's layout version: 2 added the writers' slot locks (1: fences checked, no locks)
+MAGIC_BASE = 0x4B56504F4F4C3030  # "KVPOOL00": the layout version is added to its last byte
+MAGIC = MAGIC_BASE + LAYOUT  # "KVPOOL02"
 HEADER = struct.Struct("<QQ")  # magic, epoch
 HEADER_BYTES = memory.SEGMENT_HEADER_BYTES  # keeps the data 4 KiB aligned
 FENCE = struct.Struct("<Q")
 FENCE_OFFSET = 64
 FENCE_SLOTS = (HEADER_BYTES - FENCE_OFFSET) // FENCE.size  # engine sessions live at once
+# A tier's store is written in slices of at most this many bytes, each under its own lock and check: the
+# longest a dead session's writer can keep its pages from being handed on is one slice's copy (about
+# 10 ms at memory speed), not a whole job's.
+SLICE_BYTES = 32 << 20
+# Seconds a restart that took over a segment waits for the previous pool's writers to finish their
+# slice before it refuses to start: a slice takes milliseconds, so a lock held this long is a writer
+# stopped mid-copy (SIGSTOP, swapped out), and serving its pages could let its write land in them.
+TAKEOVER_WAIT = 10.0
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock (l_type, l_whence, l_start, l_len, l_pid): Linux, 64-bit
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 if hasattr(torch, "float8_e4m3fn"):
@@ -61,6 +89,14 @@ class Fenced(StaleHandle):
 
 class NoFenceSlot(RuntimeError):
     """Every fence word is held by a live engine session."""
+
+
+class WritersStillActive(RuntimeError):
+    """A writer of the pool this sidecar took over is still in the middle of a slice."""
+
+
+class LayoutMismatch(StaleHandle):
+    """The segment or the handle has another layout version than this code's (the message names both)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +139,7 @@ class KVStorage:
         backend: str | None = None,
         shared: bool = False,
         instance: str | None = None,
+        takeover_wait: float = TAKEOVER_WAIT,
     ) -> None:
         if (pages is None) == (memory_bytes is None):
             raise ValueError("give exactly one of pages or memory_bytes")
@@ -125,11 +162,19 @@ class KVStorage:
         self._tracked = True  # the segment is this process's resource tracker's to unlink if it dies
         self._fences: dict[int, int] = {}  # slot -> the value a live session's copies name
         self._fence_serial = secrets.randbits(62)  # values differ from a predecessor's, whose engines may live
+        self._locks: int | None = None  # a descriptor of the segment's file, to test the writers' locks
         if shared and self.device.type == "cpu":
             nbytes = memory.segment_bytes(shape.bytes_per_page(page_size), pages)
-            self._shm, self._tracked = _segment(instance, nbytes, pages, self.epoch)
+            self._shm, self._tracked, taken_over = _segment(instance, nbytes, pages, self.epoch)
             self._shm.buf[FENCE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - FENCE_OFFSET)  # no session yet
-            HEADER.pack_into(self._shm.buf, 0, MAGIC, self.epoch)
+            HEADER.pack_into(self._shm.buf, 0, MAGIC, self.epoch)  # from here every old writer refuses
+            self._locks = os.open(_shm_path(self._shm), os.O_RDWR)
+            if taken_over:
+                try:
+                    self._await_old_writers(takeover_wait)
+                except WritersStillActive:
+                    self.close()
+                    raise
             self.kv = _tensor_on(self._shm, dims, shape.torch_dtype)
         else:
             self.kv = torch.zeros(dims, dtype=shape.torch_dtype, device=self.device)
@@ -197,7 +242,7 @@ class KVStorage:
         pool; None for a pool no engine maps."""
         if self._shm is None:
             return None
-        slot = next((i for i in range(FENCE_SLOTS) if i not in self._fences), None)
+        slot = next((i for i in range(FENCE_SLOTS) if self._free_slot(i)), None)
         if slot is None:
             raise NoFenceSlot(f"{FENCE_SLOTS} engine sessions are connected: no fence word is free")
         self._fence_serial += 1
@@ -206,12 +251,35 @@ class KVStorage:
         return slot, self._fence_serial
 
     def close_fence(self, fence: tuple[int, int] | None) -> None:
-        """The session ended: from now on every copy it planned fails its next check (the word is cleared
-        before this returns; the slot is free for another session, whose value differs)."""
+        """The session ended: from now on every slice it starts is refused by its writer (the word is
+        cleared before this returns). Its pages may be handed on once :meth:`writers_on` its slot is
+        False; the slot is reused only then, by a session whose value differs."""
         if fence is None or self._shm is None or self._fences.get(fence[0]) != fence[1]:
             return
         FENCE.pack_into(self._shm.buf, FENCE_OFFSET + fence[0] * FENCE.size, 0)
         del self._fences[fence[0]]
+
+    def writers_on(self, slot: int) -> bool:
+        """Whether a writer is in the middle of a slice under fence slot ``slot`` (it holds the slot's
+        lock: it checked the fence before it was cleared, and its write may still land)."""
+        return self._locks is not None and _lock_held(self._locks, slot, 1)
+
+    def _free_slot(self, slot: int) -> bool:
+        return slot not in self._fences and not self.writers_on(slot)
+
+    def _await_old_writers(self, wait: float) -> None:
+        """Until no writer of the pool this one took over holds a slot's lock (each was mid-slice, its
+        check passed before the new epoch was stamped); :class:`WritersStillActive` after ``wait`` s."""
+        assert self._locks is not None
+        deadline = time.monotonic() + wait
+        while _lock_held(self._locks, 0, FENCE_SLOTS):
+            if time.monotonic() >= deadline:
+                raise WritersStillActive(
+                    f"a writer of the pool this sidecar took over is still in the middle of a copy after {wait:g} s "
+                    "(an engine process stopped or swapped out mid-write): its write could land in pages this "
+                    "sidecar would hand out, so it does not start; it starts once that writer's copy ends or its "
+                    "process exits")
+            time.sleep(0.005)
 
     # -------------------------------------------------------------------------------- sharing
     def handle(self) -> dict[str, Any]:
@@ -221,6 +289,7 @@ class KVStorage:
             "page_size": self.page_size,
             "pages": self.num_pages,
             "epoch": self.epoch,
+            "layout": LAYOUT,
         }
         if self._shm is not None:
             info["kind"] = "shm"
@@ -238,6 +307,9 @@ class KVStorage:
         dims = (handle["pages"], shape.layers, 2, handle["page_size"], shape.kv_heads, shape.head_dim)
         if handle.get("kind") != "shm":
             raise ValueError(f"cannot attach a {handle.get('kind')!r} handle here")
+        if handle.get("layout") != LAYOUT:
+            raise LayoutMismatch(f"the sidecar's pool has segment layout {handle.get('layout')}, this engine's "
+                                 f"kvpool reads layout {LAYOUT}: run the same kvpool version on both sides")
         try:
             shm = _open_untracked(handle["name"])
         except FileNotFoundError:
@@ -250,10 +322,19 @@ class KVStorage:
         return attached
 
     def close(self) -> None:
+        """Free the pool. A named instance's segment stays (stamped with a dead epoch, for the next run of
+        the instance to take over: an engine may still map it, and tmpfs frees its pages only when the last
+        mapping goes, so a successor that allocated a second segment might not fit); an unnamed one is
+        unlinked."""
+        if self._locks is not None:
+            os.close(self._locks)
+            self._locks = None
         if self._shm is not None:
             HEADER.pack_into(self._shm.buf, 0, MAGIC, 0)  # mappings still open see a dead epoch
-            _unlink(self._shm, self._tracked)  # first: the name goes even if a view of the tensor outlives this call
-            del self.kv
+            if self._tracked:  # first: the name goes even if a view of the tensor outlives this call
+                _unlink(self._shm, self._tracked)
+            if hasattr(self, "kv"):
+                del self.kv
             try:
                 self._shm.close()
             except BufferError:
@@ -262,17 +343,42 @@ class KVStorage:
 
 
 class AttachedKV:
-    """An engine's mapping of the sidecar's pool; :meth:`check` before using cached page ids."""
+    """An engine's mapping of the sidecar's pool; :meth:`check` before using cached page ids, and write
+    only within :meth:`writing`."""
 
     def __init__(self, shm: shared_memory.SharedMemory, kv: torch.Tensor, epoch: int) -> None:
         self._shm = shm
         self.kv = kv
         self.epoch = epoch
+        # Its own open file description: a lock belongs to the description, so two mappings in one
+        # process (or this one and the sidecar's) never merge or drop each other's locks.
+        self._locks = os.open(_shm_path(shm), os.O_RDWR)
+        self._writing = threading.Lock()  # one slice at a time through this mapping (the lock is per slot)
+
+    @contextlib.contextmanager
+    def writing(self, fence: tuple[int, int] | None) -> Iterator[None]:
+        """One slice's right to write: the session's slot locked, *then* the pool and the fence checked
+        (:class:`StaleHandle` / :class:`Fenced` when either moved: nothing is written), unlocked after the
+        block. The sidecar hands the session's pages on only once the lock is free (module doc, 5)."""
+        with self._writing:
+            if fence is None:
+                self.check(None)
+                yield
+                return
+            _set_lock(self._locks, fcntl.F_RDLCK, fence[0])
+            try:
+                self.check(fence)
+                yield
+            finally:
+                _set_lock(self._locks, fcntl.F_UNLCK, fence[0])
 
     def check(self, fence: tuple[int, int] | None = None) -> None:
         """Raise :class:`StaleHandle` unless this mapping's pool is the sidecar's live one and, given a
         session's ``fence`` (slot, value), :class:`Fenced` unless that session is still connected."""
         magic, epoch = HEADER.unpack_from(self._shm.buf, 0)
+        if magic != MAGIC and magic & ~0xFF == MAGIC_BASE & ~0xFF:
+            raise LayoutMismatch(f"the pool's segment has layout {(magic & 0xFF) - 0x30}, this engine's kvpool "
+                                 f"reads layout {LAYOUT}: run the same kvpool version on both sides")
         if magic != MAGIC or epoch != self.epoch:
             raise StaleHandle(f"the pool's epoch is {epoch}, the handle's {self.epoch}: fetch a new handle")
         if fence is not None:
@@ -284,19 +390,32 @@ class AttachedKV:
 
     def close(self) -> None:
         del self.kv
+        os.close(self._locks)
         self._shm.close()
+
+
+def _set_lock(fd: int, kind: int, slot: int) -> None:
+    """Take (waiting for none: writers share, the sidecar only tests) or drop the lock on byte ``slot``."""
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(kind, os.SEEK_SET, slot, 1, 0))
+
+
+def _lock_held(fd: int, start: int, length: int) -> bool:
+    """Whether any open file description holds a lock on bytes ``start .. start + length`` of the file."""
+    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
+    return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
 
 
 SHM_DIR = "/dev/shm"
 
 
-def _segment(instance: str | None, nbytes: int, pages: int, epoch: int) -> tuple[shared_memory.SharedMemory, bool]:
+def _segment(instance: str | None, nbytes: int, pages: int,
+             epoch: int) -> tuple[shared_memory.SharedMemory, bool, bool]:
     """The pool's segment, its pages allocated: a named instance's predecessor's when one was left
-    behind, else a new one; and whether this process's resource tracker owns it."""
+    behind, else a new one; whether this process's resource tracker owns it; whether it was taken over."""
     prefix = f"kvpool-{instance}-" if instance else "kvpool-"
     stale = take_over_stale_segment(prefix, nbytes, pages) if instance else None
     if stale is not None:
-        return stale, False
+        return stale, False, True
     memory.check_fits(nbytes, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
     shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{prefix}{epoch:x}")
     try:
@@ -305,13 +424,13 @@ def _segment(instance: str | None, nbytes: int, pages: int, epoch: int) -> tuple
         shm.close()
         shm.unlink()
         raise
-    if instance:  # left behind by a SIGKILL, for the restart to take over: not the tracker's to unlink
-        _untrack(shm)  # when this process dies (close() unlinks it)
-    return shm, not instance
+    if instance:  # left behind by any exit, for the restart to take over: not the tracker's to unlink
+        _untrack(shm)
+    return shm, not instance, False
 
 
 def take_over_stale_segment(prefix: str, nbytes: int, pages: int) -> shared_memory.SharedMemory | None:
-    """The segment an earlier run of this instance left (a SIGKILL runs no clean-up), resized to
+    """The segment an earlier run of this instance left (every exit leaves it), resized to
     ``nbytes`` and its pages allocated, for the caller to stamp with its own epoch; None when there is
     none. Any others are unlinked. An engine still mapping the old pool shares the file's pages instead
     of holding a second copy of them in the shm volume; its next job names the new epoch and remaps."""
