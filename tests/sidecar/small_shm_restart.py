@@ -1,7 +1,8 @@
 """Run by test_copy_faults in a mount namespace of its own whose /dev/shm is a small tmpfs (the pod's
-memory volume): a sidecar whose pool fills most of it is killed -9 beside a live engine (the connector's
-two halves in this process, still mapping the old pool), restarted, and must start; the engine then
-remaps and saves and loads through it. Exits non-zero, with the reason, on any failure."""
+memory volume): a sidecar whose pool fills most of it is stopped (SIGTERM: a failed liveness probe, a
+rollout), then killed -9, each time beside a live engine (the connector's two halves in this process,
+still mapping the old pool), restarted, and must start; the engine then remaps and saves and loads
+through it. Exits non-zero, with the reason, on any failure."""
 
 from __future__ import annotations
 
@@ -107,15 +108,16 @@ def main() -> None:
     free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
     assert one_pool > free, f"the pool ({one_pool} bytes) should fill most of the volume ({free} free)"
 
-    os.kill(sidecar.pid, signal.SIGKILL)  # no clean-up; the engine keeps its mapping of the old pool
-    sidecar.wait()
-    sidecar = start(port, pages, socket, config, log)  # a pool of the same size must start
-    assert shm_used() < one_pool * 1.5, f"two pools' worth of the volume in use: {shm_used()} bytes"
-
-    deadline = time.monotonic() + 60  # the link's backoff (at most 10 s) and the worker's remap
-    while not round_trip(f"after{int(time.monotonic() * 1000)}"):
-        assert time.monotonic() < deadline, "the engine never saved and loaded through the restarted sidecar"
-        time.sleep(0.2)
+    for how in (signal.SIGTERM, signal.SIGKILL):  # a graceful exit runs its clean-up, a SIGKILL none; the
+        os.kill(sidecar.pid, how)  # engine keeps its mapping of the old pool either way
+        sidecar.wait()
+        sidecar = start(port, pages, socket, config, log)  # a pool of the same size must start
+        assert shm_used() < one_pool * 1.5, f"after {how.name}: two pools' worth of the volume in use: {shm_used()}"
+        deadline = time.monotonic() + 60  # the link's backoff (at most 10 s) and the worker's remap
+        while not round_trip(f"after{int(time.monotonic() * 1000)}"):
+            assert time.monotonic() < deadline, f"after {how.name}: the engine never saved and loaded through the " \
+                "restarted sidecar"
+            time.sleep(0.2)
     side.link.close()
     worker.close()
     sidecar.send_signal(signal.SIGTERM)

@@ -182,11 +182,11 @@ def test_the_save_lane_skips_saves_rather_than_fall_further_behind():
     storage.close()
 
 
-def test_a_sidecar_killed_beside_a_live_engine_restarts_in_a_nearly_full_shm_volume(tmp_path):
+def test_a_sidecar_stopped_or_killed_beside_a_live_engine_restarts_in_a_nearly_full_shm_volume(tmp_path):
     """A pod's memory volume (a 64 MiB tmpfs on /dev/shm, in a mount namespace of its own) holds a pool
-    of about 41 MiB. The sidecar is killed -9 while an engine maps the pool: the restarted sidecar must
-    start (a second segment beside the one the engine still maps would not fit), and the engine remaps
-    and saves and loads through it (tests/sidecar/small_shm_restart.py)."""
+    of about 41 MiB. The sidecar is stopped (SIGTERM), then killed -9, while an engine maps the pool: each
+    restarted sidecar must start (a second segment beside the one the engine still maps would not fit),
+    and the engine remaps and saves and loads through it (tests/sidecar/small_shm_restart.py)."""
     import shutil
     import subprocess
     import sys

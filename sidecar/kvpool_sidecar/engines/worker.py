@@ -171,12 +171,16 @@ class WorkerSide:
                 self._wait_loads(None)  # the queued loads read it too
                 self.copies.submit(lambda: self._close(old))
         mapped = self._mapped
-        if mapped is not None and mapped.epoch == epoch:
+        if mapped is not None:
             try:
                 mapped.check()
-                return mapped
-            except StaleHandle:
-                pass
+            except StaleHandle:  # its pool is gone: unmapped (after the copies queued on it), so that the
+                self._mapped = None  # shm volume never holds a dead pool's pages for this engine
+                self._wait_loads(None)
+                self.copies.submit(lambda: self._close(mapped))
+                mapped = None
+        if mapped is not None and mapped.epoch == epoch:
+            return mapped
         self._remap_soon()
         return None
 

@@ -391,7 +391,8 @@ class AttachedKV:
     def close(self) -> None:
         del self.kv
         os.close(self._locks)
-        self._shm.close()
+        with contextlib.suppress(BufferError):  # a view still holds the mapping: it goes with the last view
+            self._shm.close()
 
 
 def _set_lock(fd: int, kind: int, slot: int) -> None:

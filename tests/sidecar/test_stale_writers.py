@@ -1,0 +1,255 @@
+"""No write of an ended session lands in a page handed on, however long its writer stalls between its
+check and its write; a restart takes over its predecessor's segment only once that pool's writers are
+done; a changed layout or protocol is refused by name; an abandoned hello leaves nothing (issue 65).
+Real sidecars on their engine channel, the connector's two halves without an engine."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from kvpool_sidecar import wire
+from kvpool_sidecar.engines.blocks import engine_layers
+from kvpool_sidecar.engines.link import Refused, SidecarLink, fetch_welcome
+from kvpool_sidecar.engines.scheduler import LoadJob, SchedulerSide, StepDone
+from kvpool_sidecar.engines.worker import WorkerSide
+from kvpool_sidecar.storage import KVStorage, StaleHandle
+from kvpool_sidecar.storage import tensors as tensors_module
+from kvpool_sidecar.storage.tensors import HEADER, LayoutMismatch, WritersStillActive
+from support import live_sidecar, socket_path
+from test_engine_connector import CONFIG, PS, SHAPE, engine_kv, hashes, hello, settle, wait_for, welcome_of
+from test_engine_sessions import until
+
+
+class Stall:
+    """Holds the first write made inside a slice (after the writer's lock and check) until opened."""
+
+    def __init__(self, move) -> None:
+        self.move, self.started, self.gate, self.calls = move, threading.Event(), threading.Event(), 0
+
+    def __call__(self, *args) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.started.set()
+            assert self.gate.wait(30), "the test never let the stalled writer go"
+        self.move(*args)
+
+
+def stalled_worker(path: str, kv: dict[str, torch.Tensor]) -> tuple[WorkerSide, Stall]:
+    worker = WorkerSide(welcome_of(path), engine_layers(kv, next(iter(kv.values())).shape[0]), PS)
+    worker.attach(strict=True)
+    worker.copier._move = stall = Stall(worker.copier._move)  # type: ignore[method-assign]
+    return worker, stall
+
+
+def save_and_commit(side: SchedulerSide, worker: WorkerSide, req: str, tag: str) -> list[int]:
+    """One 3-page prompt saved by ``worker`` and committed; returns its pages."""
+    wait_for(side, req, hashes(3, tag), 13, 0, None)
+    if side._requests[req].epoch is None:
+        return []
+    side.allocated(req, [1, 2, 3, 4], 0)
+    plan = side.plan([(req, [1, 2, 3, 4], True, 0, 13)])
+    pages = [p for job in plan.saves for p in job.pages]
+    worker.save(plan)
+    worker.copies.submit(lambda: None).result()
+    side.worker_done(worker.take_done() or StepDone())
+    side.finished(req)
+    return pages
+
+
+def test_a_save_stalled_between_its_check_and_its_write_never_lands_in_a_page_another_session_committed():
+    """Engine A's save passed its check and stalls before its write (descheduled, swapped, stopped); its
+    link fails and its quarantine ends. Its pages stay out of circulation while the writer holds its slot;
+    engine B is served other pages. When A's write lands, it lands in A's own pages; A's next layer is
+    refused; only then do A's pages go to B, whose committed bytes are B's."""
+    storage = KVStorage(SHAPE, PS, pages=6, shared=True)
+    path = socket_path()
+    with live_sidecar(CONFIG, pages=6, storage=storage, engine_socket=path, engine_quarantine=0.2) as (_, sidecar):
+        worker_a, stall = stalled_worker(path, {n: torch.full_like(t, 1.0) for n, t in engine_kv(6, "cpu").items()})
+        a = SchedulerSide(SidecarLink(path, hello(session="a")), PS, session="a", lookup_wait=1.0)
+        wait_for(a, "r", hashes(3, "a"), 13, 0, None)
+        a.allocated("r", [1, 2, 3, 4], 0)
+        plan = a.plan([("r", [1, 2, 3, 4], True, 0, 13)])
+        a_pages = set(plan.saves[0].pages)
+        worker_a.save(plan)
+        assert stall.started.wait(5)  # layer 0: locked, checked, not yet written
+        a.link._conn.sock.close()  # A's link fails: the fence is cleared, the quarantine runs out
+        until(lambda: sidecar.metrics.registry.get_sample_value("kvpool_engine_lapsed_sequences_total") == 1,
+              "A's session lapsed")
+        time.sleep(0.6)  # three quarantines
+        assert sidecar.pool.stats().sequences == 1, "A's pages were released while its writer could still write"
+
+        worker_b = WorkerSide(welcome_of(path), engine_layers(
+            {n: torch.full_like(t, 2.0) for n, t in engine_kv(6, "cpu").items()}, 6), PS)
+        worker_b.attach(strict=True)
+        b = SchedulerSide(SidecarLink(path, hello(session="b")), PS, session="b", lookup_wait=1.0)
+        b_pages = save_and_commit(b, worker_b, "q0", "b0")
+        assert b_pages and not set(b_pages) & a_pages  # the free pages only
+
+        stall.gate.set()  # A's stalled layer lands (in A's pages), its next layer is refused
+        worker_a.copies.submit(lambda: None).result()
+        report = worker_a.take_done()
+        assert report is not None and report.failed_saves == {(plan.step, "r")}
+        until(lambda: sidecar.pool.stats().sequences == 0, "A's pages released once its writer let go")
+        settle(b.link, sidecar)
+        b_pages += save_and_commit(b, worker_b, "q1", "b1")
+        assert set(b_pages) & a_pages, "B is handed A's former pages once A's writer is done"
+        settle(b.link, sidecar, lambda sc: sc.pool.stats().sequences == 0)
+        for page in b_pages:
+            assert bool((storage.kv[page] == 2.0).all()), f"page {page}: a dead session's write landed in B's page"
+        for link in (a.link, b.link):
+            link.close()
+        worker_a.close()
+        worker_b.close()
+    storage.close()
+
+
+def _stalled_write(attached, fence, started: threading.Event, gate: threading.Event, page: int) -> threading.Thread:
+    def write() -> None:
+        with attached.writing(fence):
+            started.set()
+            gate.wait(30)
+            attached.kv[page].fill_(7.0)
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_takeover_waits_for_the_old_pools_writers_and_refuses_to_start_past_its_bound():
+    """A sidecar restarted beside an engine whose writer is mid-slice in the old pool (its check passed
+    before the restart): the new pool stamps its epoch at once (every later slice of the old session is
+    refused), then waits for the slice; past its bound it refuses to start, naming why, and leaves the
+    segment for the next try; once the writer is done the restart takes the segment over."""
+    instance = f"test-{secrets.token_hex(4)}"
+    old = KVStorage(SHAPE, PS, pages=4, shared=True, instance=instance)
+    try:
+        fence = old.open_fence()
+        engine = KVStorage.attach(old.handle())
+        started, gate = threading.Event(), threading.Event()
+        writer = _stalled_write(engine, fence, started, gate, page=2)
+        assert started.wait(5)
+        old.close()  # a graceful exit: the segment stays for the successor (stamped dead)
+        with pytest.raises(WritersStillActive, match="still in the middle of a copy"):
+            KVStorage(SHAPE, PS, pages=4, shared=True, instance=instance, takeover_wait=0.2)
+        with pytest.raises(StaleHandle):  # the refused restart stamped a new epoch: later slices refuse
+            with engine.writing(fence):
+                pass
+        gate.set()
+        writer.join(5)
+        new = KVStorage(SHAPE, PS, pages=4, shared=True, instance=instance, takeover_wait=5)
+        assert new._shm is not None and new._shm.name.startswith(f"kvpool-{instance}-")
+        with pytest.raises(StaleHandle):
+            with engine.writing(fence):
+                pass
+        new.close()
+        engine.close()
+    finally:
+        for leftover in os.listdir("/dev/shm"):
+            if leftover.startswith(f"kvpool-{instance}-"):
+                os.unlink(f"/dev/shm/{leftover}")
+
+
+def test_a_writer_stalled_when_its_process_dies_lets_the_takeover_go_on():
+    """The lock is the kernel's: a writer process killed mid-slice (SIGKILL, OOM) holds nothing."""
+    instance = f"test-{secrets.token_hex(4)}"
+    old = KVStorage(SHAPE, PS, pages=4, shared=True, instance=instance)
+    try:
+        fence = old.open_fence()
+        handle = old.handle()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the engine: maps the pool, starts a slice and never finishes it
+            try:
+                engine = KVStorage.attach(handle)
+                with engine.writing(fence):
+                    os.write(write, b"x")
+                    time.sleep(60)
+            finally:
+                os._exit(0)
+        assert os.read(read, 1) == b"x"
+        assert old.writers_on(fence[0])
+        old.close()
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        new = KVStorage(SHAPE, PS, pages=4, shared=True, instance=instance, takeover_wait=5)
+        assert not new.writers_on(fence[0])
+        new.close()
+    finally:
+        for leftover in os.listdir("/dev/shm"):
+            if leftover.startswith(f"kvpool-{instance}-"):
+                os.unlink(f"/dev/shm/{leftover}")
+
+
+def test_an_engine_speaking_the_previous_protocol_is_refused_at_hello_naming_both_versions():
+    path = socket_path()
+    storage = KVStorage(SHAPE, PS, pages=4, shared=True)
+    with live_sidecar(CONFIG, pages=4, storage=storage, engine_socket=path):
+        old = wire.Hello(wire.PROTOCOL - 1, "scheduler", "old", "m")
+        with pytest.raises(Refused, match=f"protocol {wire.PROTOCOL - 1}: this sidecar speaks {wire.PROTOCOL}"):
+            fetch_welcome(path, old, 2)
+        assert fetch_welcome(path, hello(role="worker"), 2).storage is not None  # a current one is served
+    storage.close()
+
+
+def test_a_handle_or_a_segment_of_another_layout_is_refused_naming_both():
+    storage = KVStorage(SHAPE, PS, pages=4, shared=True)
+    try:
+        handle = storage.handle()
+        with pytest.raises(LayoutMismatch, match=f"layout 1, this engine's kvpool reads layout {tensors_module.LAYOUT}"):
+            KVStorage.attach({**handle, "layout": 1})
+        attached = KVStorage.attach(handle)
+        HEADER.pack_into(storage._shm.buf, 0, tensors_module.MAGIC_BASE + 1, storage.epoch)  # a layout-1 pool
+        with pytest.raises(LayoutMismatch, match="segment has layout 1"):
+            attached.check()
+        attached.close()
+    finally:
+        storage.close()
+
+
+def test_an_abandoned_hello_leaves_no_session_and_no_fence():
+    """The engine's connect timed out: its hello arrives, its socket is already closed. The session is
+    not left registered (a reconnect under its id is welcomed, not refused session_in_use), and its fence
+    word is free again."""
+    path = socket_path()
+    storage = KVStorage(SHAPE, PS, pages=4, shared=True)
+    with live_sidecar(CONFIG, pages=4, storage=storage, engine_socket=path) as (_, sidecar):
+        for _ in range(20):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            s.sendall(wire.frame(hello(session="gone")))
+            s.close()
+        until(lambda: not storage._fences, "every abandoned hello's fence freed")
+        assert sidecar.metrics.registry.get_sample_value("kvpool_engine_sessions") == 0
+        side = SchedulerSide(SidecarLink(path, hello(session="gone")), PS, session="gone", lookup_wait=1.0)
+        wait_for(side, "r", hashes(2), 9, 0, None)
+        assert side._requests["r"].epoch == storage.epoch  # welcomed and admitted under the same id
+        side.link.close()
+    storage.close()
+
+
+def test_an_engine_unmaps_a_pool_whose_epoch_is_gone_as_soon_as_a_job_names_it():
+    """tmpfs frees a segment's pages only once its last mapping goes: a worker that learns its pool is
+    gone (its header's epoch moved) drops the mapping at once rather than when a new pool answers."""
+    path = socket_path()
+    storage = KVStorage(SHAPE, PS, pages=4, shared=True)
+    with live_sidecar(CONFIG, pages=4, storage=storage, engine_socket=path):
+        worker = WorkerSide(welcome_of(path), engine_layers(engine_kv(6, "cpu"), 6), PS)
+        worker.attach(strict=True)
+        mapped = worker._mapped
+        assert mapped is not None
+        epoch = storage.epoch
+        HEADER.pack_into(storage._shm.buf, 0, tensors_module.MAGIC, 0)  # what a stopping sidecar stamps
+        worker.start_loads([LoadJob("r", epoch, [0], [1])])
+        assert worker.finish_loads() == {1}  # the job failed: recomputed
+        assert worker._mapped is None
+        worker.copies.submit(lambda: None).result()
+        assert mapped._shm.buf is None  # unmapped
+        HEADER.pack_into(storage._shm.buf, 0, tensors_module.MAGIC, epoch)
+        worker.close()
+    storage.close()
