@@ -36,7 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvpool_sidecar.service.server import parse_shape
+from kvpool_sidecar.service.server import instance_name, parse_shape
+from kvpool_sidecar.storage.segment import release_instance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # what tests, benchmarks and the demo share
 from tiny_model import KV_SHAPE as TINY_KV_SHAPE
@@ -188,6 +189,8 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         for proc in services:
             proc.terminate()
             proc.wait(timeout=30)
+        if sidecar_url is not None:  # every exit leaves the pool's segment for a restart: done with it
+            release_instance(instance_name(int(sidecar_url.rsplit(":", 1)[1])))
 
 
 def fit(rows: list[dict]) -> tuple[float, float]:

@@ -30,7 +30,9 @@ import time
 import torch
 from kvpool_sidecar.engines.blocks import PageCopier, engine_layers
 from kvpool_sidecar.engines.copies import CopyQueue
+from kvpool_sidecar.service.server import instance_name
 from kvpool_sidecar.storage import KVStorage, ModelShape
+from kvpool_sidecar.storage.segment import release_instance
 
 MID = ModelShape(layers=8, kv_heads=1, head_dim=64, dtype="float32")  # bench/serve.py's mid-size model
 
@@ -217,6 +219,7 @@ def engines() -> bool:
     finally:
         sidecar.terminate()
         sidecar.wait(30)
+        release_instance(instance_name(port))  # every exit leaves the pool's segment for a restart: done with it
     return ok
 
 

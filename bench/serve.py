@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "dev"))  # what tests, benchmarks and the demo share
 from engine import free_port, wait_http  # noqa: E402
 from kvpool_sidecar.replay import open_trace  # noqa: E402
-from kvpool_sidecar.service.server import parse_shape  # noqa: E402
+from kvpool_sidecar.service.server import instance_name, parse_shape  # noqa: E402
+from kvpool_sidecar.storage.segment import release_instance  # noqa: E402
 from tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 
@@ -178,6 +179,7 @@ class Stack:
         kv_transfer = None
         bindir = Path(sys.executable).parent
         self.subscriber: Subscriber | None = None
+        self.sidecar_port: int | None = None
         kv_events = None
         if system in ("kvpool", *OPTIONAL):
             port = free_port()
@@ -189,6 +191,7 @@ class Stack:
             self.procs.append(p)
             self.sidecar_pid = p.pid
             self.sidecar_url = f"http://127.0.0.1:{port}"
+            self.sidecar_port = port
             wait_http(self.sidecar_url + "/healthz")
             kv_transfer = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_sidecar.engines.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -245,6 +248,8 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
+        if self.sidecar_port is not None:  # every exit leaves the pool's segment for a restart: done with it
+            release_instance(instance_name(self.sidecar_port))
         self.log.close()
 
 

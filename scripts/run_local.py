@@ -23,6 +23,8 @@ import yaml
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # what tests, benchmarks and the demo share
+from kvpool_sidecar.service.server import instance_name
+from kvpool_sidecar.storage.segment import release_instance
 from tiny_model import KV_SHAPE, VOCAB
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +81,7 @@ def main() -> int:
         if server.poll() is None:
             server.send_signal(signal.SIGINT)
             server.wait(timeout=30)
+        release_instance(instance_name(PORT))  # every exit leaves the pool's segment for a restart: done with it
     return 0
 
 

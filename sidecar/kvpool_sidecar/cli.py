@@ -155,15 +155,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_tier(args: argparse.Namespace, gpu_pages: int, bytes_per_page: int, primary: int = 0) -> None:
     """The second tier's pages and what its pod needs: the shm volume (the pool's segment and vLLM's
-    ``primary`` tier, both in it) and the sidecar's memory limit."""
+    ``primary`` tier, both in it, and room for one more primary tier: vLLM names its region anew at each
+    start and leaves it behind when it exits uncleanly) and the sidecar's memory limit."""
     from kvpool_sidecar.storage import memory
 
     pages = args.pool_pages or round(args.tier_multiple * gpu_pages)
     segment = memory.segment_bytes(bytes_per_page, pages)
     print(f"second tier: --pages {pages} ({pages / max(gpu_pages, 1):.2f} x the GPU's KV), "
           f"{segment / 2**30:.1f} GiB of shared memory")
-    volume = memory.gib_ceil(segment + primary)
-    print(f"memory volume sizeLimit >= {volume}Gi{' (with the primary tier)' if primary else ''}; "
+    volume = memory.gib_ceil(segment + 2 * primary)
+    with_primary = " (with vLLM's primary tier and one it left behind)" if primary else ""
+    print(f"memory volume sizeLimit >= {volume}Gi{with_primary}; "
           "sidecar container memory limit >= "
           f"{memory.gib_ceil(memory.sidecar_memory_bytes(segment, pages))}Gi (it allocates the segment at start-up "
           "and is charged for it, plus its process and bookkeeping and 10 % headroom)")

@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 import yaml
+from kvpool_sidecar.service.server import instance_name
+from kvpool_sidecar.storage.segment import release_instance
 from support import free_port, socket_path
 from tiny_model import KV_SHAPE, VOCAB
 
@@ -69,11 +71,17 @@ class SidecarProcess:
         self.proc = None
         return name
 
-    def stop(self) -> None:
+    def terminate(self) -> None:
+        """SIGTERM: a graceful exit, which leaves the segment too (the restart takes it over)."""
         if self.proc is not None:
             self.proc.terminate()
             self.proc.wait(timeout=10)
             self.proc = None
+
+    def stop(self) -> None:
+        """Done with this sidecar: stopped, and the segment every exit leaves removed."""
+        self.terminate()
+        release_instance(instance_name(self.port))
 
     def get(self, path: str) -> Any:
         return httpx.get(self.url + path, timeout=5).json()

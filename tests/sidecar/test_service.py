@@ -193,31 +193,51 @@ def test_openapi_schema_lists_every_route(sidecar_url):
         assert path in paths
 
 
-def test_a_terminated_sidecar_removes_its_shared_memory(tmp_path):
-    """SIGTERM (what Kubernetes sends): the pool's segment goes with the process, none is left in /dev/shm."""
+def test_a_terminated_sidecar_leaves_its_segment_dead_for_its_restart_to_take_over(tmp_path):
+    """SIGTERM (what Kubernetes sends, a failed liveness probe too): an engine may still map the pool, and
+    tmpfs frees its pages only when the last mapping goes, so the segment stays, stamped with a dead epoch
+    (a mapping that outlives the sidecar sees it gone); the restart takes that very file over: one segment
+    of the instance in /dev/shm, never two."""
     import os
     import time
     from pathlib import Path
 
+    from kvpool_sidecar.service.server import instance_name
+    from kvpool_sidecar.storage import KVStorage, StaleHandle
+    from kvpool_sidecar.storage.segment import release_instance
     from support import free_port
 
     port = free_port()
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("kvpool-sidecar")), "serve", "--port", str(port),
-                             "--pages", "8", "--kv-shape", "1,1,8,float32", "--log-level", "error"])
-    try:
+    prefix = f"kvpool-{instance_name(port)}-"
+
+    def start() -> tuple[subprocess.Popen, dict]:
+        proc = subprocess.Popen([str(Path(sys.executable).with_name("kvpool-sidecar")), "serve", "--port", str(port),
+                                 "--pages", "8", "--kv-shape", "1,1,8,float32", "--log-level", "error"])
         deadline = time.monotonic() + 30
         while True:
             try:
-                name = httpx.get(f"http://127.0.0.1:{port}/v1/storage/handle", timeout=0.5).json()["name"]
-                break
+                return proc, httpx.get(f"http://127.0.0.1:{port}/v1/storage/handle", timeout=0.5).json()
             except httpx.HTTPError:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-        assert os.path.exists(f"/dev/shm/{name}")
-    finally:
+
+    try:
+        proc, handle = start()
+        engine = KVStorage.attach(handle)
         proc.terminate()
         proc.wait(timeout=30)
-    assert not os.path.exists(f"/dev/shm/{name}")
+        assert os.path.exists(f"/dev/shm/{handle['name']}")
+        with pytest.raises(StaleHandle):
+            engine.check()
+        proc, again = start()
+        assert again["name"] == handle["name"] and again["epoch"] != handle["epoch"]
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(prefix)] == [handle["name"]]
+        proc.terminate()
+        proc.wait(timeout=30)
+        engine.close()
+    finally:
+        release_instance(instance_name(port))
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
 
 
 def test_an_oversized_body_is_refused_before_it_is_read_and_changes_nothing():

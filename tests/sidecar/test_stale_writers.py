@@ -201,7 +201,8 @@ def test_a_handle_or_a_segment_of_another_layout_is_refused_naming_both():
     storage = KVStorage(SHAPE, PS, pages=4, shared=True)
     try:
         handle = storage.handle()
-        with pytest.raises(LayoutMismatch, match=f"layout 1, this engine's kvpool reads layout {tensors_module.LAYOUT}"):
+        layout = tensors_module.LAYOUT
+        with pytest.raises(LayoutMismatch, match=f"layout 1, this engine's kvpool reads layout {layout}"):
             KVStorage.attach({**handle, "layout": 1})
         attached = KVStorage.attach(handle)
         HEADER.pack_into(storage._shm.buf, 0, tensors_module.MAGIC_BASE + 1, storage.epoch)  # a layout-1 pool

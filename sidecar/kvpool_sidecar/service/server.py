@@ -136,14 +136,19 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
     if options.kv_shape:
         # Named for this instance (host and port: one per sidecar in a pod), so that a restart finds and
         # takes over the segment a killed predecessor left behind.
-        instance = f"{socket.gethostname()}-{options.port}".replace("/", "-")
         storage = KVStorage(parse_shape(options.kv_shape), config.pageSize, pages=options.pages, shared=True,
-                            instance=instance)
+                            instance=instance_name(options.port))
     sidecar = Sidecar(config, options.pages, config_path=options.config, storage=storage, transfer_keys=keys,
                       max_sequences=options.max_sequences, max_sequence_tokens=options.max_sequence_tokens,
                       max_pins_per_owner=options.max_pins_per_owner)
     sidecar.mark_config_file_read()
     return sidecar, token
+
+
+def instance_name(port: int) -> str:
+    """The name of the sidecar serving ``port`` on this host (one per sidecar in a pod): its pool's segment
+    is named for it, so that every run of the instance finds and takes over what the last one left."""
+    return f"{socket.gethostname()}-{port}".replace("/", "-")
 
 
 def serve(options: ServeOptions) -> None:

@@ -43,17 +43,16 @@ import fcntl
 import os
 import secrets
 import struct
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import torch
 
-from kvpool_sidecar.storage import memory, reference
+from kvpool_sidecar.storage import memory, reference, segment
 from kvpool_sidecar.storage.backend import Backend, choose_backend
 
 LAYOUT = 2  # the segment's layout version: 2 added the writers' slot locks (1: fences checked, no locks)
@@ -72,7 +71,6 @@ SLICE_BYTES = 32 << 20
 # slice before it refuses to start: a slice takes milliseconds, so a lock held this long is a writer
 # stopped mid-copy (SIGSTOP, swapped out), and serving its pages could let its write land in them.
 TAKEOVER_WAIT = 10.0
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock (l_type, l_whence, l_start, l_len, l_pid): Linux, 64-bit
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 if hasattr(torch, "float8_e4m3fn"):
@@ -165,10 +163,10 @@ class KVStorage:
         self._locks: int | None = None  # a descriptor of the segment's file, to test the writers' locks
         if shared and self.device.type == "cpu":
             nbytes = memory.segment_bytes(shape.bytes_per_page(page_size), pages)
-            self._shm, self._tracked, taken_over = _segment(instance, nbytes, pages, self.epoch)
+            self._shm, self._tracked, taken_over = segment.open_segment(instance, nbytes, pages, self.epoch)
             self._shm.buf[FENCE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - FENCE_OFFSET)  # no session yet
             HEADER.pack_into(self._shm.buf, 0, MAGIC, self.epoch)  # from here every old writer refuses
-            self._locks = os.open(_shm_path(self._shm), os.O_RDWR)
+            self._locks = os.open(segment.shm_path(self._shm), os.O_RDWR)
             if taken_over:
                 try:
                     self._await_old_writers(takeover_wait)
@@ -262,7 +260,7 @@ class KVStorage:
     def writers_on(self, slot: int) -> bool:
         """Whether a writer is in the middle of a slice under fence slot ``slot`` (it holds the slot's
         lock: it checked the fence before it was cleared, and its write may still land)."""
-        return self._locks is not None and _lock_held(self._locks, slot, 1)
+        return self._locks is not None and segment.lock_held(self._locks, slot, 1)
 
     def _free_slot(self, slot: int) -> bool:
         return slot not in self._fences and not self.writers_on(slot)
@@ -272,7 +270,7 @@ class KVStorage:
         check passed before the new epoch was stamped); :class:`WritersStillActive` after ``wait`` s."""
         assert self._locks is not None
         deadline = time.monotonic() + wait
-        while _lock_held(self._locks, 0, FENCE_SLOTS):
+        while segment.lock_held(self._locks, 0, FENCE_SLOTS):
             if time.monotonic() >= deadline:
                 raise WritersStillActive(
                     f"a writer of the pool this sidecar took over is still in the middle of a copy after {wait:g} s "
@@ -311,7 +309,7 @@ class KVStorage:
             raise LayoutMismatch(f"the sidecar's pool has segment layout {handle.get('layout')}, this engine's "
                                  f"kvpool reads layout {LAYOUT}: run the same kvpool version on both sides")
         try:
-            shm = _open_untracked(handle["name"])
+            shm = segment.open_untracked(handle["name"])
         except FileNotFoundError:
             raise StaleHandle(
                 f"pool {handle['name']} (epoch {handle['epoch']}) no longer exists: the sidecar restarted, "
@@ -332,7 +330,7 @@ class KVStorage:
         if self._shm is not None:
             HEADER.pack_into(self._shm.buf, 0, MAGIC, 0)  # mappings still open see a dead epoch
             if self._tracked:  # first: the name goes even if a view of the tensor outlives this call
-                _unlink(self._shm, self._tracked)
+                segment.unlink(self._shm, self._tracked)
             if hasattr(self, "kv"):
                 del self.kv
             try:
@@ -352,7 +350,7 @@ class AttachedKV:
         self.epoch = epoch
         # Its own open file description: a lock belongs to the description, so two mappings in one
         # process (or this one and the sidecar's) never merge or drop each other's locks.
-        self._locks = os.open(_shm_path(shm), os.O_RDWR)
+        self._locks = os.open(segment.shm_path(shm), os.O_RDWR)
         self._writing = threading.Lock()  # one slice at a time through this mapping (the lock is per slot)
 
     @contextlib.contextmanager
@@ -365,12 +363,12 @@ class AttachedKV:
                 self.check(None)
                 yield
                 return
-            _set_lock(self._locks, fcntl.F_RDLCK, fence[0])
+            segment.set_lock(self._locks, fcntl.F_RDLCK, fence[0])
             try:
                 self.check(fence)
                 yield
             finally:
-                _set_lock(self._locks, fcntl.F_UNLCK, fence[0])
+                segment.set_lock(self._locks, fcntl.F_UNLCK, fence[0])
 
     def check(self, fence: tuple[int, int] | None = None) -> None:
         """Raise :class:`StaleHandle` unless this mapping's pool is the sidecar's live one and, given a
@@ -393,99 +391,6 @@ class AttachedKV:
         os.close(self._locks)
         with contextlib.suppress(BufferError):  # a view still holds the mapping: it goes with the last view
             self._shm.close()
-
-
-def _set_lock(fd: int, kind: int, slot: int) -> None:
-    """Take (waiting for none: writers share, the sidecar only tests) or drop the lock on byte ``slot``."""
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _FLOCK.pack(kind, os.SEEK_SET, slot, 1, 0))
-
-
-def _lock_held(fd: int, start: int, length: int) -> bool:
-    """Whether any open file description holds a lock on bytes ``start .. start + length`` of the file."""
-    answer = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, length, 0))
-    return _FLOCK.unpack(answer)[0] != fcntl.F_UNLCK
-
-
-SHM_DIR = "/dev/shm"
-
-
-def _segment(instance: str | None, nbytes: int, pages: int,
-             epoch: int) -> tuple[shared_memory.SharedMemory, bool, bool]:
-    """The pool's segment, its pages allocated: a named instance's predecessor's when one was left
-    behind, else a new one; whether this process's resource tracker owns it; whether it was taken over."""
-    prefix = f"kvpool-{instance}-" if instance else "kvpool-"
-    stale = take_over_stale_segment(prefix, nbytes, pages) if instance else None
-    if stale is not None:
-        return stale, False, True
-    memory.check_fits(nbytes, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
-    shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"{prefix}{epoch:x}")
-    try:
-        memory.reserve(_shm_path(shm), nbytes)  # zeros, not written
-    except memory.PoolDoesNotFit:
-        shm.close()
-        shm.unlink()
-        raise
-    if instance:  # left behind by any exit, for the restart to take over: not the tracker's to unlink
-        _untrack(shm)
-    return shm, not instance, False
-
-
-def take_over_stale_segment(prefix: str, nbytes: int, pages: int) -> shared_memory.SharedMemory | None:
-    """The segment an earlier run of this instance left (every exit leaves it), resized to
-    ``nbytes`` and its pages allocated, for the caller to stamp with its own epoch; None when there is
-    none. Any others are unlinked. An engine still mapping the old pool shares the file's pages instead
-    of holding a second copy of them in the shm volume; its next job names the new epoch and remaps."""
-    try:
-        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
-    except OSError:
-        return None
-    for name in names[1:]:
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(SHM_DIR, name))
-    if not names:
-        return None
-    path = os.path.join(SHM_DIR, names[0])
-    try:
-        grow = nbytes - os.stat(path).st_size
-        if grow > 0:  # a larger pool than before: the growth must fit beside what the file holds
-            memory.check_fits(grow, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
-        os.truncate(path, nbytes)
-        memory.reserve(path, nbytes)
-        return _open_untracked(names[0])
-    except FileNotFoundError:
-        return None
-
-
-def _shm_path(shm: shared_memory.SharedMemory) -> str:
-    return os.path.join(SHM_DIR, shm.name.lstrip("/"))
-
-
-def _open_untracked(name: str) -> shared_memory.SharedMemory:
-    """Attach without adopting: before Python 3.13 the attaching process's resource tracker would
-    unlink the sidecar's segment when the engine exits."""
-    if sys.version_info >= (3, 13):
-        return shared_memory.SharedMemory(name=name, track=False)  # type: ignore[call-arg]
-    shm = shared_memory.SharedMemory(name=name)
-    _untrack(shm)
-    return shm
-
-
-def _untrack(shm: shared_memory.SharedMemory) -> None:
-    """Take a segment off this process's resource tracker, which would unlink it when the process dies
-    (a SIGKILL included: the tracker is a process of its own)."""
-    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-    if hasattr(shm, "_track"):  # Python 3.13: its unlink() would unregister it again
-        shm._track = False
-
-
-def _unlink(shm: shared_memory.SharedMemory, tracked: bool) -> None:
-    """Unlink a segment (``SharedMemory.unlink`` also unregisters it, which the tracker of an untracked
-    one answers with an error on stderr)."""
-    if tracked or hasattr(shm, "_track"):
-        shm.unlink()
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(_shm_path(shm))
 
 
 def _tensor_on(shm: shared_memory.SharedMemory, dims: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
