@@ -99,16 +99,18 @@ class KVPoolTier(SecondaryTierManager):
         welcome = lambda: fetch_welcome(socket, mapper, timeout)  # noqa: E731
         self._check_pool(welcome)
         primary = torch.from_numpy(np.asarray(primary_kv_view))  # [chunks, row bytes], vLLM's region
-        link = SidecarLink(socket, hello, timeout=timeout, events=EventLog() if events else None)
+        # Pins by token ids need the engine's block hashing in the hello; a chunk of one block is keyed as
+        # vLLM keys that block, so the sidecar can name the pages from token ids. vLLM's engine core seeds
+        # its hashes (NONE_HASH) after it has built this tier: the link opens no connection until then
+        # (but for an op, which vLLM makes only once it serves).
+        self._hashing_pending = config.cache.blocks_per_chunk == 1
+        link = SidecarLink(socket, hello, timeout=timeout, events=EventLog() if events else None,
+                           hello_ready=self._hello_ready)
         self.side = TierSide(link, welcome, primary, self.page_bytes,
                              self.page_size, session=session, lookup_wait=settings.lookup_wait_ms / 1000,
                              default_meta=settings.defaults.model_dump(),
                              trust_request_params=settings.trust_request_params)
         self._jobs: dict[int, list[OffloadKey]] = {}
-        # Pins by token ids need the engine's block hashing in the hello; a chunk of one block is keyed as
-        # vLLM keys that block, so the sidecar can name the pages from token ids. Learnt once the engine
-        # core has seeded its hashes (after this tier is built), before the link first connects.
-        self._hashing_pending = config.cache.blocks_per_chunk == 1
 
     def _check_pool(self, welcome: Any) -> None:
         """Refuse a sidecar whose pages cannot hold vLLM's chunks (naming both); only warn about one that
@@ -196,18 +198,20 @@ class KVPoolTier(SecondaryTierManager):
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self._hashing_pending:
-            self._learn_hashing()
         self.side.flush()
 
-    def _learn_hashing(self) -> None:
-        """Put the engine's block hashing in the hello, once vLLM's engine core has set its NONE_HASH."""
-        hashing = engine_hashing(self.page_size)
-        if hashing is None:
-            return
-        self._hashing_pending = False
-        link = self.side.link
-        link.hello = msgspec.structs.replace(link.hello, hashing=hashing)
+    def _hello_ready(self, link: SidecarLink) -> bool:
+        """The link's question before it connects (on its thread): once vLLM's engine core has set its
+        NONE_HASH, the engine's block hashing goes in the hello (a crypto hash; no other is named) and the
+        hello is final."""
+        if self._hashing_pending:
+            if getattr(kv_cache_utils, "NONE_HASH", None) is None:
+                return False
+            hashing = engine_hashing(self.page_size)
+            if hashing is not None:
+                link.hello = msgspec.structs.replace(link.hello, hashing=hashing)
+            self._hashing_pending = False
+        return True
 
     @override
     def drain_jobs(self) -> None:
