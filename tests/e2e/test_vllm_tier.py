@@ -295,11 +295,42 @@ def test_a_pin_by_token_ids_holds_the_chunks_the_tier_stored(sidecar):
         for i in range(3):  # vLLM's chained hashes of the prompt's full blocks, as its scheduler makes them
             parent = kv_cache_utils.hash_block_tokens(sha256, parent, tokens[i * 16 : (i + 1) * 16], None)
             hashes.append(bytes(parent))
-        one.on_schedule_end(END)  # the tier learns the engine's hashing before its link first connects
         store(one, "r1", [make_offload_key(h, 0) for h in hashes], fill=4)
         steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 3, "never stored")
         r = httpx.post(sidecar.url + "/v1/pins", json={"tokens": tokens, "model": "org/tiny"}, timeout=5)
         assert r.status_code == 201 and len(r.json()["pages"]) == 3, r.text
         assert sidecar.get("/v1/stats")["pinned_pages"] == 3
+    finally:
+        one.shutdown()
+
+
+def test_a_pin_by_token_ids_works_when_the_idle_link_would_connect_before_the_hashes_are_seeded(sidecar,
+                                                                                                 monkeypatch):
+    """With vLLM's KV events on (as the example ships), the tier's link steps when idle; the engine core
+    builds the tier before it seeds its block hashes (NONE_HASH). The link waits for them before it
+    connects, so the hello that opens the session carries the engine's hashing and a pin by token ids
+    pins the chunks the tier stored (it answered 422 'no engine serving model' when an idle step had
+    connected first)."""
+    import httpx
+    from kvpool_sidecar.engines import link
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    monkeypatch.setattr(link, "REPORT_EVERY", 0.02)  # idle steps every 20 ms (1 s in production)
+    monkeypatch.delattr(kv_cache_utils, "NONE_HASH", raising=False)  # an engine core not yet seeded
+    one = manager("e1", sidecar, events=True)
+    try:
+        time.sleep(0.3)  # many idle steps
+        sha256 = get_hash_fn_by_name("sha256")
+        kv_cache_utils.init_none_hash(sha256)  # what vLLM's engine core does once its scheduler is built
+        tokens = list(range(200, 200 + 2 * 16))
+        parent, hashes = kv_cache_utils.NONE_HASH, []
+        for i in range(2):
+            parent = kv_cache_utils.hash_block_tokens(sha256, parent, tokens[i * 16 : (i + 1) * 16], None)
+            hashes.append(bytes(parent))
+        store(one, "r1", [make_offload_key(h, 0) for h in hashes], fill=2)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 2, "never stored")
+        r = httpx.post(sidecar.url + "/v1/pins", json={"tokens": tokens, "model": "org/tiny"}, timeout=5)
+        assert r.status_code == 201 and len(r.json()["pages"]) == 2, r.text
     finally:
         one.shutdown()

@@ -3,6 +3,7 @@ block hashes must survive its restart (issue 51)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -97,3 +98,88 @@ def test_the_sidecar_names_blocks_from_token_ids_exactly_as_vllm_hashes_them(see
     assert engine_block_hashes(tokens, 16, "sha256", seed) == want  # the partial last block has none
     with pytest.raises(InvalidRequest, match="'sha256_cbor': the sidecar computes only sha256"):
         engine_block_hashes(tokens, 16, "sha256_cbor", seed)
+
+
+@pytest.fixture(scope="module")
+def tier_engine(tmp_path_factory):
+    """A VllmConfig as vLLM's engine core holds it (the tiny model, offline), whose offloading's secondary
+    tier is kvpool (no sidecar: the tier starts without one)."""
+    pytest.importorskip("vllm")
+    from tiny_model import build_tiny_model
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig
+
+    folder = tmp_path_factory.mktemp("tier-identity")
+    model = build_tiny_model(folder / "model")
+    extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * 4096, "block_size": 16,
+             "secondary_tiers": [{"type": "KVPoolTier", "module_path": "kvpool_sidecar.engines.tier",
+                                  "socket": str(folder / "no-sidecar.sock")}]}
+    return VllmConfig(model_config=ModelConfig(model=str(model)), cache_config=CacheConfig(block_size=16),
+                      kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                                                          kv_connector_extra_config=extra))
+
+
+def changed(vllm_config, part: str = "model_config", **fields):
+    """A copy of ``vllm_config`` with ``fields`` of its ``part`` set."""
+    import copy
+
+    out = copy.deepcopy(vllm_config)
+    for name, value in fields.items():
+        setattr(getattr(out, part), name, value)
+    return out
+
+
+def tier_identity_built_by_vllm(vllm_config) -> str:
+    """The identity of the kvpool tier vLLM builds for ``vllm_config`` as its engine core does: its
+    scheduler's ``KVConnectorFactory.create_connector`` (OffloadingConnector, then
+    TieringOffloadingSpec.get_manager), which no ``set_current_vllm_config`` context surrounds."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+    try:
+        connector = KVConnectorFactory.create_connector(config=vllm_config, role=KVConnectorRole.SCHEDULER,
+                                                        kv_cache_config=kv)
+        try:
+            [tier] = connector.connector_scheduler.manager.secondary_tiers
+            return tier.model
+        finally:
+            connector.shutdown()
+    finally:  # vLLM's primary region (its scheduler side may leave the file behind)
+        Path(f"/dev/shm/vllm_offload_{vllm_config.kv_transfer_config.engine_id}.mmap").unlink(missing_ok=True)
+
+
+def test_the_tier_vllms_engine_core_builds_refuses_block_hashes_a_restart_would_change(tier_engine, monkeypatch):
+    """vLLM's engine core builds the tier with no current config set: the tier still finds the engine's
+    and refuses xxhash without PYTHONHASHSEED, naming both settings, as the connector does."""
+    from kvpool_sidecar.engines.identity import IdentityError
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    engine = changed(tier_engine, "cache_config", prefix_caching_hash_algo="xxhash")
+    with pytest.raises(IdentityError, match=r"KVPoolTier: prefix_caching_hash_algo=xxhash .*PYTHONHASHSEED"):
+        tier_identity_built_by_vllm(engine)
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    tier_identity_built_by_vllm(engine)  # seeded: its hashes survive a restart
+
+
+def test_the_tiers_identity_covers_what_changes_kv_bytes_as_vllms_engine_core_builds_it(tier_engine):
+    """Two engines of the same model name and KV layout that differ in quantization, hf_overrides,
+    revision or tokenizer never share the tier's pages; the same engine again does."""
+    base = tier_identity_built_by_vllm(tier_engine)
+    assert tier_identity_built_by_vllm(changed(tier_engine)) == base
+    for fields in ({"quantization": "fp8"}, {"hf_overrides": {"max_position_embeddings": 65536}},
+                   {"revision": "v2"}, {"tokenizer": "org/other-tokenizer"}):
+        assert tier_identity_built_by_vllm(changed(tier_engine, **fields)) != base, fields
+
+
+def test_the_tiers_identity_in_vllms_engine_core_is_the_whole_one(tier_engine):
+    """The identity the tier takes where vLLM's engine core builds it (no current config) is the one it
+    takes with vLLM's config current: nothing of the engine's is left out."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(tier_engine):
+        with_config = tier_identity_built_by_vllm(tier_engine)
+    assert tier_identity_built_by_vllm(tier_engine) == with_config

@@ -1,9 +1,10 @@
 """What a pool key must carry besides the engine's block hash: the identity of the model that computed it.
 
 vLLM's block hashes cover tokens and extra keys (LoRA, multimodal, cache salt), not the weights: two
-engines serving different weights of the same shape hash a prompt alike. The connector therefore names
-its model in its hello, and the sidecar namespaces every key by it. The identity holds everything that
-changes the KV bytes a prompt leaves behind:
+engines serving different weights of the same shape hash a prompt alike. The connector and the tier
+therefore name their model in their hello (the tier's :func:`chunk_identity` adds its chunk's layout to
+the same :func:`model_identity`), and the sidecar namespaces every key by it. The identity holds
+everything that changes the KV bytes a prompt leaves behind:
 
 * the weights: for a local folder every weight file's name, size and modification time (cheap, and it
   changes when the weights are replaced in place); for a hub name the commit of the snapshot the engine
@@ -23,6 +24,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -97,6 +99,11 @@ def model_identity(vllm_config: Any, kv_cache_config: Any, ranks: int = 1) -> st
         "tensor_parallel": ranks,
         "weights": weight_files(snapshot or model),
     }
+    return _named(model, ident)
+
+
+def _named(model: str, ident: dict[str, Any]) -> str:
+    """``model``'s name, then a digest of everything the identity holds."""
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
     return f"{model[-200:]}@{digest}"
 
@@ -119,18 +126,16 @@ def hash_seed_problem(vllm_config: Any, environ: dict[str, str] | None = None) -
 
 def chunk_identity(config: Any, vllm_config: Any = None) -> str:
     """The identity of vLLM's offloaded chunks as the tier stores them (an ``OffloadingConfig`` read by
-    attribute): the model (its weights, as :func:`model_identity` names them, from ``vllm_config`` when
-    the engine's is at hand, else its name, snapshot and weight files), the cache dtype, the chunk's
-    geometry and every worker's share of it. Another layout, degree or model never meets these pages,
-    nor does ``KVPoolConnector``'s block layout."""
+    attribute): the engine's model as :func:`model_identity` names it (from ``vllm_config``, the engine's
+    ``VllmConfig``; without it from the model's name alone: its snapshot and weight files, not its
+    quantization, ``hf_overrides``, revision or tokenizer), the cache dtype, the chunk's geometry and every
+    worker's share of it. Another layout, degree or model never meets these pages, nor does
+    ``KVPoolConnector``'s block layout."""
     model = str(config.model.name)
-    snapshot = hub_snapshot(model, None)
+    engine = vllm_config if vllm_config is not None else SimpleNamespace(model_config=SimpleNamespace(model=model))
     ident = {
         "layout": "vllm-offload-chunk",
-        "engine": model_identity(vllm_config, None) if vllm_config is not None else None,
-        "model": model,
-        "snapshot": Path(snapshot).name if snapshot else None,
-        "weights": weight_files(snapshot or model),
+        "model": model_identity(engine, None),
         "dtype": str(config.model.dtype),
         "tokens_per_hash": config.cache.tokens_per_hash,
         "blocks_per_chunk": config.cache.blocks_per_chunk,
@@ -142,5 +147,4 @@ def chunk_identity(config: Any, vllm_config: Any = None) -> str:
         "kv_cache_layout": str(getattr(config, "kv_cache_layout", None)),
         "groups": [list(g.layer_names) for g in config.groups],
     }
-    digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
-    return f"{model[-200:]}@{digest}"
+    return _named(model, ident)

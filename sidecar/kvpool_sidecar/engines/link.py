@@ -14,7 +14,9 @@ the lapsed pages out of circulation for the copies planned before the failure). 
 :data:`~kvpool_sidecar.wire.STEP_BYTES` (what does not fit goes in the next one). A
 failed connection marks the link down for a backoff that doubles up to a ceiling; while down
 :meth:`~SidecarLink.available` is False (callers skip the sidecar), and once the backoff has passed the
-next op reconnects. One warning when it goes down, one when it is back.
+next op reconnects. One warning when it goes down, one when it is back. With KV events the link steps
+when idle too, but opens no connection just for that while its owner has not made the hello final
+(``hello_ready``: the tier's, until vLLM's engine core has seeded its block hashes).
 """
 
 from __future__ import annotations
@@ -189,9 +191,13 @@ class SidecarLink:
     """Batched, asynchronous ops of one engine session against one sidecar (see the module doc)."""
 
     def __init__(self, path: str, hello: wire.Hello, *, timeout: float = 2.0, backoff: Backoff | None = None,
-                 name: str = "kvpool-link", events: EventLog | None = None) -> None:
+                 name: str = "kvpool-link", events: EventLog | None = None,
+                 hello_ready: Callable[[SidecarLink], bool] | None = None) -> None:
         self.path = path
         self.hello = hello
+        # Asked on the link's thread before it opens a connection: may bring ``hello`` up to date, and says
+        # whether it is final. An idle step opens no connection before it is; an op opens one regardless.
+        self.hello_ready = hello_ready or (lambda link: True)
         self.events = events  # with hello.events: stores and removals recorded in the order of the replies
         self.timeout = timeout
         self.backoff = backoff or Backoff(f"sidecar {path}")
@@ -266,10 +272,12 @@ class SidecarLink:
                 item = self._queue.get(timeout=REPORT_EVERY)
             except queue.Empty:
                 with self._lock:
-                    # With KV events, an idle link still steps: removals reach the engine and a lost
-                    # sidecar is noticed (its pages leave the stream) within a second.
-                    due = not self.report.empty() or self.events is not None
-                if due and self.backoff.available():
+                    reporting = not self.report.empty()
+                # With KV events, an idle link still steps: removals reach the engine and a lost sidecar is
+                # noticed (its pages leave the stream) within a second; it opens no session for that with a
+                # hello that is not final yet.
+                watching = self.events is not None and (self._conn is not None or self.hello_ready(self))
+                if (reporting or watching) and self.backoff.available():
                     self._send([])
                 continue
             if item is None:
@@ -305,6 +313,7 @@ class SidecarLink:
 
     def _connect(self) -> Connection:
         if self._conn is None:
+            self.hello_ready(self)  # the hello as complete as it can be now (an op does not wait for more)
             self._conn = Connection(self.path, self.hello, self.timeout)
         return self._conn
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sys
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,7 +29,7 @@ import msgspec
 import numpy as np
 import torch
 from typing_extensions import override
-from vllm.config import get_current_vllm_config_or_none
+from vllm.config import VllmConfig, get_current_vllm_config_or_none
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens, resolve_none_hash_seed
@@ -80,8 +81,12 @@ class KVPoolTier(SecondaryTierManager):
         self.page_size = config.cache.tokens_per_hash * config.cache.blocks_per_chunk  # tokens a chunk holds
         copies = 1 if getattr(offloading_spec, "replicated_layout", False) else config.parallel.world_size
         self.page_bytes = offloading_spec.cpu_page_size_per_worker * copies  # a chunk without its padding
-        engine = get_current_vllm_config_or_none()
-        if engine is not None and (problem := hash_seed_problem(engine)) is not None:
+        engine = engine_config(offloading_spec)
+        if engine is None:
+            log.warning("kvpool tier: vLLM's engine config is not on the stack that builds the tier: the chunks' "
+                        "identity names the model by its name and weight files only (not its quantization, "
+                        "hf_overrides, revision or tokenizer), and the hash seed is not checked")
+        elif (problem := hash_seed_problem(engine)) is not None:
             raise IdentityError(f"KVPoolTier: {problem}")
         self.model = chunk_identity(config, engine)
         session = f"vllm-tier-{str(config.engine_id)[-40:]}-{secrets.token_hex(4)}"
@@ -94,16 +99,18 @@ class KVPoolTier(SecondaryTierManager):
         welcome = lambda: fetch_welcome(socket, mapper, timeout)  # noqa: E731
         self._check_pool(welcome)
         primary = torch.from_numpy(np.asarray(primary_kv_view))  # [chunks, row bytes], vLLM's region
-        link = SidecarLink(socket, hello, timeout=timeout, events=EventLog() if events else None)
+        # Pins by token ids need the engine's block hashing in the hello; a chunk of one block is keyed as
+        # vLLM keys that block, so the sidecar can name the pages from token ids. vLLM's engine core seeds
+        # its hashes (NONE_HASH) after it has built this tier: the link opens no connection until then
+        # (but for an op, which vLLM makes only once it serves).
+        self._hashing_pending = config.cache.blocks_per_chunk == 1
+        link = SidecarLink(socket, hello, timeout=timeout, events=EventLog() if events else None,
+                           hello_ready=self._hello_ready)
         self.side = TierSide(link, welcome, primary, self.page_bytes,
                              self.page_size, session=session, lookup_wait=settings.lookup_wait_ms / 1000,
                              default_meta=settings.defaults.model_dump(),
                              trust_request_params=settings.trust_request_params)
         self._jobs: dict[int, list[OffloadKey]] = {}
-        # Pins by token ids need the engine's block hashing in the hello; a chunk of one block is keyed as
-        # vLLM keys that block, so the sidecar can name the pages from token ids. Learnt once the engine
-        # core has seeded its hashes (after this tier is built), before the link first connects.
-        self._hashing_pending = config.cache.blocks_per_chunk == 1
 
     def _check_pool(self, welcome: Any) -> None:
         """Refuse a sidecar whose pages cannot hold vLLM's chunks (naming both); only warn about one that
@@ -191,18 +198,20 @@ class KVPoolTier(SecondaryTierManager):
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self._hashing_pending:
-            self._learn_hashing()
         self.side.flush()
 
-    def _learn_hashing(self) -> None:
-        """Put the engine's block hashing in the hello, once vLLM's engine core has set its NONE_HASH."""
-        hashing = engine_hashing(self.page_size)
-        if hashing is None:
-            return
-        self._hashing_pending = False
-        link = self.side.link
-        link.hello = msgspec.structs.replace(link.hello, hashing=hashing)
+    def _hello_ready(self, link: SidecarLink) -> bool:
+        """The link's question before it connects (on its thread): once vLLM's engine core has set its
+        NONE_HASH, the engine's block hashing goes in the hello (a crypto hash; no other is named) and the
+        hello is final."""
+        if self._hashing_pending:
+            if getattr(kv_cache_utils, "NONE_HASH", None) is None:
+                return False
+            hashing = engine_hashing(self.page_size)
+            if hashing is not None:
+                link.hello = msgspec.structs.replace(link.hello, hashing=hashing)
+            self._hashing_pending = False
+        return True
 
     @override
     def drain_jobs(self) -> None:
@@ -225,4 +234,30 @@ def engine_hashing(block_size: int) -> wire.Hashing | None:
         seed = resolve_none_hash_seed(fn)
         if fn(seed) == none_hash:
             return wire.Hashing(algo, seed, bytes(hash_block_tokens(fn, BlockHash(none_hash), range(block_size), None)))
+    return None
+
+
+def engine_config(offloading_spec: OffloadingSpec) -> VllmConfig | None:
+    """The ``VllmConfig`` of the engine whose offloading builds this tier, or None where none is found.
+
+    vLLM hands a secondary tier only its ``OffloadingConfig`` (of the model, its name and KV dtype), and
+    its engine core sets no current config around the tier's making (``EngineCore.__init__`` builds the
+    ``Scheduler``, whose ``KVConnectorFactory.create_connector`` builds ``OffloadingConnector``, then
+    ``OffloadingConnectorScheduler``, then ``TieringOffloadingSpec.get_manager``, then the tier): the
+    config is an argument of those callers. It is the one on the stack (or current) whose
+    ``kv_connector_extra_config`` is this spec's (vLLM's ``build_offloading_config`` hands that dict on)."""
+
+    def ours(candidate: object) -> bool:
+        transfer = getattr(candidate, "kv_transfer_config", None) if isinstance(candidate, VllmConfig) else None
+        return transfer is not None and transfer.kv_connector_extra_config == offloading_spec.extra_config
+
+    current = get_current_vllm_config_or_none()
+    if ours(current):
+        return current
+    frame = sys._getframe(1)
+    while frame is not None:
+        for value in frame.f_locals.values():
+            if ours(value):
+                return value
+        frame = frame.f_back
     return None
