@@ -254,3 +254,81 @@ def test_an_engine_unmaps_a_pool_whose_epoch_is_gone_as_soon_as_a_job_names_it()
         HEADER.pack_into(storage._shm.buf, 0, tensors_module.MAGIC, epoch)
         worker.close()
     storage.close()
+
+
+def _serve(port: int, path: str, folder, *extra: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = folder / "config.yaml"
+    config.write_text(f"pageSize: {PS}\neviction: {{policy: lru}}\npinning: {{autoPin: {{enabled: false}}}}\n")
+    shape = f"{SHAPE.layers},{SHAPE.kv_heads},{SHAPE.head_dim},{SHAPE.dtype}"
+    return subprocess.Popen([str(Path(sys.executable).with_name("kvpool-sidecar")), "serve", "--port", str(port),
+                             "--pages", "6", "--kv-shape", shape, "--config", str(config), "--engine-socket", path,
+                             "--engine-quarantine-seconds", "0.1", "--log-level", "warning", *extra],
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _healthy(port: int) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=0.5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_save_stalled_across_a_sidecar_restart_lands_before_the_new_pool_serves_and_no_later(tmp_path):
+    """A real sidecar is killed -9 while engine A's save has passed its check and stalls before its write.
+    The restart takes the segment over, stamps its epoch and does not serve while A's slice may still land;
+    once it has, the restart serves, A's next layer is refused, and engine B's pages hold B's bytes."""
+    from kvpool_sidecar.service.server import instance_name
+    from kvpool_sidecar.storage.segment import release_instance
+    from support import free_port
+
+    port, path = free_port(), socket_path()
+    first = _serve(port, path, tmp_path)
+    try:
+        until(lambda: _healthy(port), "the first sidecar serves", 60)
+        worker_a, stall = stalled_worker(path, {n: torch.full_like(t, 1.0) for n, t in engine_kv(6, "cpu").items()})
+        a = SchedulerSide(SidecarLink(path, hello(session="a")), PS, session="a", lookup_wait=1.0)
+        wait_for(a, "r", hashes(3, "a"), 13, 0, None)
+        a.allocated("r", [1, 2, 3, 4], 0)
+        plan = a.plan([("r", [1, 2, 3, 4], True, 0, 13)])
+        worker_a.save(plan)
+        assert stall.started.wait(5)  # A's layer 0: locked, checked, not yet written
+        first.kill()
+        first.wait()
+        second = _serve(port, path, tmp_path)
+        time.sleep(3)  # long enough to start, were it not waiting for A's slice
+        assert second.poll() is None and not _healthy(port), "the restart served while A's write could land"
+        stall.gate.set()
+        until(lambda: _healthy(port), "the restart serves once A's slice is written", 30)
+        worker_a.copies.submit(lambda: None).result()
+        report = worker_a.take_done()
+        assert report is not None and (plan.step, "r") in report.failed_saves  # its next layer was refused
+
+        worker_b = WorkerSide(welcome_of(path), engine_layers(
+            {n: torch.full_like(t, 2.0) for n, t in engine_kv(6, "cpu").items()}, 6), PS)
+        worker_b.attach(strict=True)
+        b = SchedulerSide(SidecarLink(path, hello(session="b")), PS, session="b", lookup_wait=1.0)
+        b_pages = save_and_commit(b, worker_b, "q", "b")
+        assert set(b_pages) & set(plan.saves[0].pages)  # the same page ids, the new pool's
+        mapped = KVStorage.attach(fetch_welcome(path, hello(role="worker"), 2).storage)
+        for page in b_pages:
+            assert bool((mapped.kv[page] == 2.0).all()), f"page {page}: A's stalled save landed after the restart"
+        mapped.close()
+        for side in (a, b):
+            side.link.close()
+        worker_a.close()
+        worker_b.close()
+        second.terminate()
+        second.wait(10)
+
+    finally:
+        for proc in (first, locals().get("second")):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        release_instance(instance_name(port))

@@ -33,6 +33,7 @@ from kvpool_sidecar.service.state import (
     Sidecar,
 )
 from kvpool_sidecar.storage import KVStorage, ModelShape, transfer
+from kvpool_sidecar.storage.tensors import WritersStillActive
 
 DEFAULT_PAGES = 65_536
 DEFAULT_ENGINE_SOCKET = "/tmp/kvpool/engine.sock"  # the connector's default too; pods mount a shared emptyDir
@@ -136,8 +137,11 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
     if options.kv_shape:
         # Named for this instance (host and port: one per sidecar in a pod), so that a restart finds and
         # takes over the segment a killed predecessor left behind.
-        storage = KVStorage(parse_shape(options.kv_shape), config.pageSize, pages=options.pages, shared=True,
-                            instance=instance_name(options.port))
+        try:
+            storage = KVStorage(parse_shape(options.kv_shape), config.pageSize, pages=options.pages, shared=True,
+                                instance=instance_name(options.port))
+        except WritersStillActive as exc:
+            raise ServeError(str(exc)) from None
     sidecar = Sidecar(config, options.pages, config_path=options.config, storage=storage, transfer_keys=keys,
                       max_sequences=options.max_sequences, max_sequence_tokens=options.max_sequence_tokens,
                       max_pins_per_owner=options.max_pins_per_owner)
