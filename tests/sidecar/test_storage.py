@@ -162,6 +162,20 @@ def test_row_moves_between_two_tensors_are_bit_exact(dtype):
         kernels.move_rows(engine, src, torch.zeros((9, 95), dtype=dtype), dst)
 
 
+def test_host_row_moves_copy_runs_and_equal_an_indexed_copy():
+    """Runs of rows consecutive on both sides go in one copy; the bytes are those of an indexed copy."""
+    assert reference.row_runs([4, 5, 6, 0, 9, 10], [1, 2, 3, 4, 7, 9]) == [(4, 1, 3), (0, 4, 1), (9, 7, 1),
+                                                                          (10, 9, 1)]
+    g = torch.Generator().manual_seed(2)
+    engine = torch.randn((64, 40), generator=g)
+    src = torch.cat([torch.arange(10, 20), torch.randperm(64, generator=g)[:20]])
+    dst = torch.cat([torch.arange(30, 40), torch.randperm(30, generator=g)[:20]])
+    got, want = torch.zeros((40, 40)), torch.zeros((40, 40))
+    reference.move_rows(engine, src, got, dst)
+    want[dst] = engine[src]
+    assert torch.equal(got, want)
+
+
 def test_a_named_instance_takes_over_the_segment_its_killed_predecessor_left():
     """A restart reuses its predecessor's file (an engine still mapping it would otherwise hold a second
     pool's worth of the shm volume), resized to the new pool, under a new epoch and with every fence
