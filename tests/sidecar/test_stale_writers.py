@@ -16,7 +16,7 @@ import torch
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import engine_layers
 from kvpool_sidecar.engines.link import Refused, SidecarLink, fetch_welcome
-from kvpool_sidecar.engines.scheduler import LoadJob, SchedulerSide, StepDone
+from kvpool_sidecar.engines.scheduler import LoadJob, SchedulerSide, StepDone, StepPlan
 from kvpool_sidecar.engines.worker import WorkerSide
 from kvpool_sidecar.storage import KVStorage, StaleHandle
 from kvpool_sidecar.storage import tensors as tensors_module
@@ -251,6 +251,15 @@ def test_an_engine_unmaps_a_pool_whose_epoch_is_gone_as_soon_as_a_job_names_it()
         assert worker._mapped is None
         worker.copies.submit(lambda: None).result()
         assert mapped._shm.buf is None  # unmapped
+        # A step with no job at all (the link is down: nothing is planned) unmaps a dead pool too.
+        HEADER.pack_into(storage._shm.buf, 0, tensors_module.MAGIC, epoch)
+        worker.attach(strict=True)
+        again = worker._mapped
+        assert again is not None
+        HEADER.pack_into(storage._shm.buf, 0, tensors_module.MAGIC, 0)
+        worker.save(StepPlan(step=1))
+        worker.copies.submit(lambda: None).result()
+        assert worker._mapped is None and again._shm.buf is None
         HEADER.pack_into(storage._shm.buf, 0, tensors_module.MAGIC, epoch)
         worker.close()
     storage.close()

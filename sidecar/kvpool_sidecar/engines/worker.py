@@ -170,19 +170,27 @@ class WorkerSide:
             if old is not None:
                 self._wait_loads(None)  # the queued loads read it too
                 self.copies.submit(lambda: self._close(old))
-        mapped = self._mapped
-        if mapped is not None:
-            try:
-                mapped.check()
-            except StaleHandle:  # its pool is gone: unmapped (after the copies queued on it), so that the
-                self._mapped = None  # shm volume never holds a dead pool's pages for this engine
-                self._wait_loads(None)
-                self.copies.submit(lambda: self._close(mapped))
-                mapped = None
+        mapped = self._live_mapping()
         if mapped is not None and mapped.epoch == epoch:
             return mapped
         self._remap_soon()
         return None
+
+    def _live_mapping(self) -> AttachedKV | None:
+        """The current mapping, unless its pool is gone (its header's epoch moved: the sidecar stopped or
+        restarted): then it is unmapped, after the copies queued on it, so that the shm volume never holds
+        a dead pool's pages for this engine, and None is returned."""
+        mapped = self._mapped
+        if mapped is None:
+            return None
+        try:
+            mapped.check()
+        except StaleHandle:
+            self._mapped = None
+            self._wait_loads(None)
+            self.copies.submit(lambda: self._close(mapped))
+            return None
+        return mapped
 
     def _remap_soon(self) -> None:
         if (self._remapping is not None and self._remapping.is_alive()) or not self.backoff.available():
@@ -268,6 +276,8 @@ class WorkerSide:
         Skipped, reported failed, while the lane is more than ``max_save_backlog`` behind."""
         for job in plan.saves:
             self._saved.add(job.req_id)
+        if not plan.saves:  # every step: a pool that went (no job names it any more) is unmapped at once
+            self._live_mapping()
         now = self.clock()
         skip = self._behind(now)
         for (epoch, fence), group in _by_pool(plan.saves).items():
