@@ -165,6 +165,42 @@ def test_c_the_engine_serves_through_a_sidecar_kill_and_uses_kvpool_again_after_
     assert from_pool >= PREFIX_BLOCKS * BLOCK, "the connector did not come back to the restarted sidecar"
 
 
+def generate_batch(llm, prompts: list[list[int]], *, fresh: bool = False) -> tuple[list[list[int]], list[int]]:
+    """:func:`generate` for a batch sent at once (vLLM schedules it together): greedy tokens and the prompt
+    tokens the engine did not compute, per prompt."""
+    from vllm import SamplingParams
+
+    if not fresh:
+        reset_engine_cache(llm)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, skip_reading_prefix_cache=fresh or None)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [int(o.num_cached_tokens or 0) for o in outs]
+
+
+def test_c2_a_batch_sent_once_after_a_sidecar_restart_is_loaded_from_kvpool_on_its_next_send(stack):
+    """Issue 65: the sidecar killed -9 and restarted while the engine is idle, then a batch sent once (saved
+    in the new pool) and once more: the second send loads every prompt's full blocks from kvpool, without
+    a retry. The engine's link still holds the killed sidecar's connection, and its worker maps the old
+    pool, until the batch's first step: that step's lookups and saves must reach the new pool."""
+    llm, sidecar, _ = stack
+    prompts = [prompt(1500 + i, 10 * BLOCK + 7) for i in range(8)]  # 88 blocks: more than vLLM's own 80
+    baseline, computed_alone = generate_batch(llm, prompts, fresh=True)  # saved in the pool about to go
+    assert computed_alone == [0] * len(prompts)
+    wait_until(lambda: not (stats := sidecar.get("/v1/stats"))["sequences"] and not stats["in_use_pages"],
+               "the baseline's sequences were not released")
+    time.sleep(1.2)  # and the connector's last report sent (once a second): the engine idle, its link open
+    sidecar.kill()
+    sidecar.start()
+    tokens, from_pool = generate_batch(llm, prompts)  # the first send after the restart: saved
+    assert tokens == baseline and from_pool == [0] * len(prompts)  # a new pool: nothing to load yet
+    loaded = sidecar.metric('kvpool_connector_tokens_total{direction="loaded"}')
+    tokens, from_pool = generate_batch(llm, prompts)  # the second: loaded, every prompt's 10 full blocks
+    assert tokens == baseline
+    assert from_pool == [10 * BLOCK] * len(prompts), from_pool
+    wait_until(lambda: sidecar.metric('kvpool_connector_tokens_total{direction="loaded"}')
+               >= loaded + len(prompts) * 10 * BLOCK, "the worker did not report the loads", timeout=5)
+
+
 def test_d_a_policy_change_in_the_config_file_takes_effect_while_the_engine_runs(stack):
     llm, sidecar, _ = stack
     old_hash = sidecar.get("/v1/config")["hash"]

@@ -556,6 +556,45 @@ def test_the_forward_path_never_waits_for_a_remap():
         new.close()
 
 
+def test_a_save_for_a_pool_not_mapped_yet_is_written_once_the_remap_lands():
+    """Issue 65: after a sidecar restart the first requests name the new pool in the step that saves
+    them. The step returns at once (the remap is held up here), and the save is written on the save lane
+    once the new pool's handle is fetched: neither reported failed nor written into the old pool."""
+    import threading
+
+    from kvpool_sidecar.engines.scheduler import SaveJob
+
+    old, new = (KVStorage(SHAPE, PS, pages=8, shared=True) for _ in range(2))
+    answering = threading.Event()
+    current = [old]
+
+    def welcome():
+        if current[0] is new:
+            answering.wait(30)  # a sidecar slow to answer the hello
+        return wire.Welcome("s", current[0].handle(), PS)
+
+    try:
+        kv = engine_kv(6, "cpu")
+        worker = WorkerSide(welcome, engine_layers(kv, 6), PS, max_save_backlog=30)
+        worker.attach(strict=True)
+        current[0] = new  # the sidecar restarted: a new pool, a new epoch
+        started = time.monotonic()
+        worker.save(StepPlan(1, [], [SaveJob("r", new.epoch, [2, 3], [1, 4])]))
+        assert time.monotonic() - started < 1  # the forward path did not wait for the remap
+        assert worker.take_done() is None  # not failed: the lane waits for the new pool's handle
+        answering.set()
+        worker.copies.submit(lambda: None).result(10)
+        report = worker.take_done()
+        assert report.steps == {1: 1} and not report.failed_saves
+        for page, block in ((2, 1), (3, 4)):
+            assert torch.equal(new.kv[page, 0].flatten(), kv["layer.0"][block].flatten())
+        assert not old.kv.any()
+        worker.close()
+    finally:
+        old.close()
+        new.close()
+
+
 def test_pool_pages_are_held_for_the_transfers_only_not_through_decode():
     """A request holds its admission until its loads are read and its saves committed, then gives it
     back while it decodes on: its hits and saved pages are evictable cache again, not held by it."""

@@ -19,7 +19,7 @@ from kvpool_sidecar.engines.scheduler import SchedulerSide
 from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.storage import KVStorage
 from support import free_port, live_sidecar, socket_path
-from test_engine_connector import CONFIG, PS, SHAPE, done, hashes, hello, save_whole, wait_for
+from test_engine_connector import CONFIG, PS, SHAPE, done, hashes, hello, save_whole, settle, wait_for
 
 ENGINE, ADMIN, ROUTER = "e" * 24, "a" * 24, "r" * 24
 CREDS = Credentials.parse(f"engine {ENGINE}\nadmin {ADMIN}\nrouter {ROUTER}")
@@ -60,8 +60,9 @@ def test_a_failed_link_invalidates_at_once_and_its_pages_reach_no_other_writer()
         a_pages = set(sidecar.pool.sequences.live[a._requests["r"].seq_id].pages)
         assert [s.blocks for s in step1.saves] == [[1, 2]]
         # A's link fails a round trip (a protocol error, a stalled sidecar past timeout_s: the sidecar
-        # and the engine each drop the connection).
-        a.link._conn.sock.shutdown(socket.SHUT_RDWR)
+        # and the engine each drop the connection). A socket merely shut down would read as one the
+        # sidecar closed, which the link replaces before sending anything on it (issue 65).
+        a.link._conn.sock.close()
         with pytest.raises(ConnectionError):
             a.link.admit(wire.Admit("probe", hashes(1, "z"), PS)).result(5)
         # At once, before any reconnect: nothing more is planned into the dead session's pages ...
@@ -136,6 +137,31 @@ def test_a_sequence_belongs_to_the_connection_that_admitted_it():
         assert wait_for(b, "again", hashes(3, "a"), 13, 0, None) == 3 * PS
         a.link.close()
         b.link.close()
+
+
+def test_a_sidecar_restarted_while_the_link_was_idle_admits_the_next_lookups_at_once():
+    """Issue 65: the sidecar went and came back on its socket while the engine was idle, the link still
+    holding the old connection. The next lookups (a batch's, all in one step) are each admitted by the
+    new sidecar: the closed connection is replaced before anything is sent on it, with no failed round
+    trip and no backoff (a lookup failed, or skipped while backing off, serves its request without the
+    pool and never saves it)."""
+    path = socket_path()
+    first, second = (KVStorage(SHAPE, PS, pages=16, shared=True) for _ in range(2))
+    with live_sidecar(CONFIG, pages=16, storage=first, engine_socket=path, token=CREDS):
+        side = engine(path, "a")
+        wait_for(side, "r", hashes(2, "r"), 9, 0, None)
+        assert side._requests["r"].epoch == first.epoch
+        side.finished("r")
+        settle(side.link, None, lambda _: not side.link._queue.qsize())
+    with live_sidecar(CONFIG, pages=16, storage=second, engine_socket=path, token=CREDS) as (_, sidecar):
+        for i in range(4):
+            wait_for(side, f"b{i}", hashes(2, f"b{i}"), 9, 0, None)
+            assert side._requests[f"b{i}"].epoch == second.epoch, f"lookup {i} was not admitted"
+        assert side.link.generation == 1 and side.link.backoff.failures == 0
+        assert sidecar.pool.stats().sequences == 4
+        side.link.close()
+    first.close()
+    second.close()
 
 
 def test_a_hello_cannot_take_over_a_connected_session_but_may_once_it_is_gone():

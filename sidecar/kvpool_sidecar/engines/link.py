@@ -14,15 +14,20 @@ the lapsed pages out of circulation for the copies planned before the failure). 
 :data:`~kvpool_sidecar.wire.STEP_BYTES` (what does not fit goes in the next one). A
 failed connection marks the link down for a backoff that doubles up to a ceiling; while down
 :meth:`~SidecarLink.available` is False (callers skip the sidecar), and once the backoff has passed the
-next op reconnects. One warning when it goes down, one when it is back. With KV events the link steps
-when idle too, but opens no connection just for that while its owner has not made the hello final
-(``hello_ready``: the tier's, until vLLM's engine core has seeded its block hashes).
+next op reconnects. One warning when it goes down, one when it is back. A connection the sidecar has
+closed since its last round trip (it restarted while the link was idle) is dropped before anything is
+sent on it, as a failed one is, and the step goes on a new connection at once: the lookups of the first
+requests after a restart (a whole batch, in one step) are not failed, nor is the link made to back off.
+With KV events the link steps when idle too, but opens no connection just for that while its owner has
+not made the hello final (``hello_ready``: the tier's, until vLLM's engine core has seeded its block
+hashes).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import select
 import socket
 import threading
 import time
@@ -162,6 +167,18 @@ class Connection:
         if not isinstance(reply, wire.StepReply):
             raise wire.WireError(f"expected a reply, got {type(reply).__name__}")
         return reply
+
+    def closed_by_peer(self) -> bool:
+        """The sidecar has closed this connection (between round trips it sends nothing, so anything to
+        read is its end of the stream): nothing sent on it would be answered."""
+        try:
+            poll = select.poll()
+            poll.register(self.sock, select.POLLIN)
+            if not poll.poll(0):
+                return False
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return False  # not readable as a socket: the round trip fails and says why
 
     def close(self) -> None:
         self.sock.close()
@@ -312,6 +329,11 @@ class SidecarLink:
         return left, stop
 
     def _connect(self) -> Connection:
+        if self._conn is not None and self._conn.closed_by_peer():
+            # The sidecar went (and may be back) since the last round trip: its session, and every
+            # admission of it, ended with the connection; a new one is made now, nothing failed.
+            log.warning("kvpool: the sidecar closed the connection of %s; reconnecting", self.path)
+            self._lost()
         if self._conn is None:
             self.hello_ready(self)  # the hello as complete as it can be now (an op does not wait for more)
             self._conn = Connection(self.path, self.hello, self.timeout)
@@ -357,12 +379,7 @@ class SidecarLink:
         try:
             reply = conn.step(step)
         except (OSError, wire.WireError, Refused) as exc:
-            # Every admission of this connection is dead from here on: callers see it at their next plan.
-            self.generation += 1
-            self._conn = None
-            conn.close()
-            if self.events is not None:  # what this engine announced is out of reach (maybe gone)
-                self.events.forget_all()
+            self._lost()
             self._failed(SidecarDown(f"{type(exc).__name__}: {exc}"), batch, step.report)
             return
         elapsed = time.perf_counter() - start
@@ -372,6 +389,16 @@ class SidecarLink:
             with self._lock:
                 self.report.lookup_seconds.extend([elapsed] * len(step.admits))
         self._deliver(reply, sent, gen)
+
+    def _lost(self) -> None:
+        """The connection is gone: every admission of it is dead from here on (callers see it at their
+        next plan)."""
+        assert self._conn is not None
+        self.generation += 1
+        self._conn.close()
+        self._conn = None
+        if self.events is not None:  # what this engine announced is out of reach (maybe gone)
+            self.events.forget_all()
 
     def _deliver(self, reply: wire.StepReply, sent: list[tuple[str, Future | None, Callable[[int], None] | None]],
                  gen: int) -> None:

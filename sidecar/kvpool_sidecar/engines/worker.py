@@ -32,8 +32,11 @@ Loads feed the step's own forward: ``start_loads`` queues them layer by layer on
 waits for the rest and names the blocks that could not be loaded (the engine recomputes them).
 
 The worker talks to the sidecar only to fetch the pool's storage handle: at start, and after a restart
-on a thread of its own, never in the forward path (a job for a pool it has not mapped yet fails at
-once, as above, and the new mapping is taken up by a later step's jobs).
+on a thread of its own, never in the forward path (a load for a pool it has not mapped yet fails at
+once, as above, and the new mapping is taken up by a later step's jobs). A save for such a pool waits
+for that handle on the save lane, off the forward path (at most ``max_save_backlog``), and is written
+through a mapping of its own: the first requests after a restart, which name the new pool in the same
+step as their saves, are saved.
 """
 
 from __future__ import annotations
@@ -114,6 +117,7 @@ class WorkerSide:
         self._remapping: threading.Thread | None = None
         self._handoff = threading.Lock()  # guards _fresh between the two threads
         self._incompatible: str | None = None
+        self._handle: dict | None = None  # the storage handle last fetched
 
     # ----------------------------------------------------------------------------- mapping
     def attach(self, *, strict: bool) -> None:
@@ -154,6 +158,7 @@ class WorkerSide:
             self._incompatible = str(exc)
             raise
         self._incompatible = None
+        self._handle = welcome.storage
         return KVStorage.attach(welcome.storage)
 
     def _close(self, mapped: AttachedKV) -> None:
@@ -287,8 +292,9 @@ class WorkerSide:
             if skip:
                 self.done.report.fail("save_skipped", len(group))
                 flight.written.set_result(set(req_ids))
-            elif (mapped := self._mapping(epoch)) is None:
-                flight.written.set_result(set(req_ids))
+            elif (mapped := self._mapping(epoch)) is None:  # not mapped yet: the lane waits for the remap
+                flight.written = self.copies.submit(partial(self._write_remapped, self._remapping, epoch, group,
+                                                            fence, flight))
             else:
                 flight.written = self.copies.submit(partial(self._write, mapped, group, fence, flight))
             self._flights.append(flight)
@@ -319,6 +325,27 @@ class WorkerSide:
         # Read after the copy returned (its device reads done): a request preempted before that point may
         # have had its blocks rewritten under the copy.
         return failed | flight.cancelled
+
+    def _write_remapped(self, remap: threading.Thread | None, epoch: int, group: list[SaveJob],
+                        fence: tuple[int, int] | None, flight: _Flight) -> set[str]:
+        """On the copy queue: :meth:`_write` for a pool the forward path had not mapped (the sidecar
+        restarted), once the background remap has fetched its handle (waiting ``max_save_backlog`` at
+        most), through a mapping of this call's own; every request failed if that pool is not the one
+        the sidecar serves."""
+        if remap is not None:
+            remap.join(self.max_save_backlog)
+        handle = self._handle
+        if handle is None or handle.get("epoch") != epoch:
+            return {job.req_id for job in group}
+        try:
+            mapped = KVStorage.attach(handle)
+        except (StaleHandle, OSError, ValueError) as exc:
+            log.warning("kvpool: saving %d requests failed (%s)", len(group), exc)
+            return {job.req_id for job in group}
+        try:
+            return self._write(mapped, group, fence, flight)
+        finally:
+            self._close(mapped)
 
     def _harvest(self) -> None:
         """Move the saves written since the last call (oldest first, as the queue runs them) into the
