@@ -177,11 +177,13 @@ def generate_batch(llm, prompts: list[list[int]], *, fresh: bool = False) -> tup
     return [list(o.outputs[0].token_ids) for o in outs], [int(o.num_cached_tokens or 0) for o in outs]
 
 
-def test_c2_a_batch_sent_once_after_a_sidecar_restart_is_loaded_from_kvpool_on_its_next_send(stack):
-    """Issue 65: the sidecar killed -9 and restarted while the engine is idle, then a batch sent once (saved
-    in the new pool) and once more: the second send loads every prompt's full blocks from kvpool, without
-    a retry. The engine's link still holds the killed sidecar's connection, and its worker maps the old
-    pool, until the batch's first step: that step's lookups and saves must reach the new pool."""
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_c2_a_batch_sent_once_after_a_sidecar_restart_is_loaded_from_kvpool_on_its_next_send(stack, how):
+    """Issue 65: the sidecar killed -9, or stopped (SIGTERM: a failed liveness probe, a rollout), and
+    restarted while the engine is idle, then a batch sent once (saved in the new pool) and once more: the
+    second send loads every prompt's full blocks from kvpool, without a retry. The engine's link still
+    holds the old sidecar's connection, and its worker maps the old pool, until the batch's first step:
+    that step's lookups and saves must reach the new pool, which took the old one's segment over."""
     llm, sidecar, _ = stack
     prompts = [prompt(1500 + i, 10 * BLOCK + 7) for i in range(8)]  # 88 blocks: more than vLLM's own 80
     baseline, computed_alone = generate_batch(llm, prompts, fresh=True)  # saved in the pool about to go
@@ -189,8 +191,13 @@ def test_c2_a_batch_sent_once_after_a_sidecar_restart_is_loaded_from_kvpool_on_i
     wait_until(lambda: not (stats := sidecar.get("/v1/stats"))["sequences"] and not stats["in_use_pages"],
                "the baseline's sequences were not released")
     time.sleep(1.2)  # and the connector's last report sent (once a second): the engine idle, its link open
-    sidecar.kill()
+    segment = sidecar.get("/v1/storage/handle")["name"]
+    if how == "SIGKILL":
+        sidecar.kill()
+    else:
+        sidecar.terminate()
     sidecar.start()
+    assert sidecar.get("/v1/storage/handle")["name"] == segment  # taken over: no second pool in the volume
     tokens, from_pool = generate_batch(llm, prompts)  # the first send after the restart: saved
     assert tokens == baseline and from_pool == [0] * len(prompts)  # a new pool: nothing to load yet
     loaded = sidecar.metric('kvpool_connector_tokens_total{direction="loaded"}')
