@@ -189,7 +189,7 @@ def run_one(system: str, args: argparse.Namespace) -> dict:
         for proc in services:
             proc.terminate()
             proc.wait(timeout=30)
-        if sidecar_url is not None:  # every exit leaves the pool's segment for a restart: done with it
+        if sidecar_url is not None:  # an exit may leave the pool's segment for a restart: done with it
             release_instance(instance_name(int(sidecar_url.rsplit(":", 1)[1])))
 
 

@@ -219,7 +219,7 @@ def engines() -> bool:
     finally:
         sidecar.terminate()
         sidecar.wait(30)
-        release_instance(instance_name(port))  # every exit leaves the pool's segment for a restart: done with it
+        release_instance(instance_name(port))  # an exit may leave the pool's segment for a restart: done with it
     return ok
 
 

@@ -248,7 +248,7 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
-        if self.sidecar_port is not None:  # every exit leaves the pool's segment for a restart: done with it
+        if self.sidecar_port is not None:  # an exit may leave the pool's segment for a restart: done with it
             release_instance(instance_name(self.sidecar_port))
         self.log.close()
 

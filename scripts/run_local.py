@@ -81,7 +81,7 @@ def main() -> int:
         if server.poll() is None:
             server.send_signal(signal.SIGINT)
             server.wait(timeout=30)
-        release_instance(instance_name(PORT))  # every exit leaves the pool's segment for a restart: done with it
+        release_instance(instance_name(PORT))  # an exit may leave the pool's segment for a restart: done with it
     return 0
 
 

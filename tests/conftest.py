@@ -13,7 +13,8 @@ SHM = "/dev/shm"
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_segments_left_behind() -> Iterator[None]:
-    """Every exit of a named sidecar leaves its pool's segment for its restart to take over; the tests'
+    """A named sidecar's exit may leave its pool's segment for its restart to take over (a SIGKILL, or a SIGTERM
+    while an engine maps it); the tests'
     sidecars are all gone at the end of the session, so the segments they left are removed then."""
     prefix = f"kvpool-{socket.gethostname()}-"
     before = {n for n in os.listdir(SHM) if n.startswith(prefix)}

@@ -79,7 +79,7 @@ class SidecarProcess:
             self.proc = None
 
     def stop(self) -> None:
-        """Done with this sidecar: stopped, and the segment every exit leaves removed."""
+        """Done with this sidecar: stopped, and the segment an exit may leave removed."""
         self.terminate()
         release_instance(instance_name(self.port))
 

@@ -193,11 +193,11 @@ def test_openapi_schema_lists_every_route(sidecar_url):
         assert path in paths
 
 
-def test_a_terminated_sidecar_leaves_its_segment_dead_for_its_restart_to_take_over(tmp_path):
-    """SIGTERM (what Kubernetes sends, a failed liveness probe too): an engine may still map the pool, and
-    tmpfs frees its pages only when the last mapping goes, so the segment stays, stamped with a dead epoch
-    (a mapping that outlives the sidecar sees it gone); the restart takes that very file over: one segment
-    of the instance in /dev/shm, never two."""
+def test_a_terminated_sidecar_leaves_its_segment_to_its_restart_while_an_engine_maps_it(tmp_path):
+    """SIGTERM (what Kubernetes sends, a failed liveness probe too) while an engine maps the pool: tmpfs
+    frees its pages only when the last mapping goes, so the segment stays, stamped with a dead epoch (the
+    mapping sees it gone); the restart takes that very file over: one segment of the instance in /dev/shm,
+    never two. With no engine mapping it, a SIGTERM removes it."""
     import os
     import time
     from pathlib import Path
@@ -232,9 +232,10 @@ def test_a_terminated_sidecar_leaves_its_segment_dead_for_its_restart_to_take_ov
         proc, again = start()
         assert again["name"] == handle["name"] and again["epoch"] != handle["epoch"]
         assert [n for n in os.listdir("/dev/shm") if n.startswith(prefix)] == [handle["name"]]
+        engine.close()  # no engine maps the pool any more: a SIGTERM leaves nothing behind
         proc.terminate()
         proc.wait(timeout=30)
-        engine.close()
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
     finally:
         release_instance(instance_name(port))
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]

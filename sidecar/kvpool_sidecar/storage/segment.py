@@ -1,8 +1,8 @@
 """The pool's segment as a file: its name, its takeover by the next run of a named instance, the
 resource tracker kept off it, and the writers' slot locks (:mod:`.tensors` lays the pool out in it).
 
-A named instance's segment outlives every exit of its sidecar (a SIGTERM too): an engine may still map
-it, and tmpfs frees its pages only when the last mapping goes, so a successor that allocated a second
+A named instance's segment outlives its sidecar's exit while an engine maps it (a SIGKILL leaves it in
+any case): tmpfs frees its pages only when the last mapping goes, so a successor that allocated a second
 segment beside it might not fit the volume. The next run takes the same file over instead.
 
 The writers' locks are open-file-description locks (``F_OFD_SETLK``) on byte ``slot`` of the file: a
@@ -59,7 +59,7 @@ def open_segment(instance: str | None, nbytes: int, pages: int,
 
 
 def release_instance(instance: str) -> None:
-    """Remove the segment every exit of the named ``instance`` leaves behind (for a tool or a test that ran
+    """Remove the segment an exit of the named ``instance`` left behind (for a tool or a test that ran
     a sidecar and is done with it: nothing of the instance may run or be restarted any more)."""
     prefix = f"kvpool-{instance}-"
     for name in os.listdir(SHM_DIR):
@@ -69,10 +69,11 @@ def release_instance(instance: str) -> None:
 
 
 def take_over_stale_segment(prefix: str, nbytes: int, pages: int) -> shared_memory.SharedMemory | None:
-    """The segment an earlier run of this instance left (every exit leaves it), resized to
-    ``nbytes`` and its pages allocated, for the caller to stamp with its own epoch; None when there is
-    none. Any others are unlinked. An engine still mapping the old pool shares the file's pages instead
-    of holding a second copy of them in the shm volume; its next job names the new epoch and remaps."""
+    """The segment an earlier run of this instance left (a SIGKILL leaves it, a SIGTERM while an engine
+    maps it), resized to ``nbytes`` and its pages allocated, for the caller to stamp with its own epoch;
+    None when there is none. Any others are unlinked. An engine still mapping the old pool shares the
+    file's pages instead of holding a second copy of them in the shm volume; its next job names the new
+    epoch and remaps."""
     try:
         names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
     except OSError:

@@ -30,6 +30,10 @@ Handshake (the engine's side is :meth:`KVStorage.attach`):
    lock table, so either the sidecar sees the writer's lock and waits for the slice, or the writer sees
    the cleared fence and refuses the write: no write of an ended session lands in a page handed on,
    however long its thread was stalled between its check and its write.
+6. Every engine's mapping holds a shared lock on byte :data:`MAPPED_BYTE` for as long as it maps the
+   pool. A sidecar that stops (SIGTERM) leaves its segment, stamped with a dead epoch, while any engine
+   holds it, for its next run to take over, and unlinks it otherwise; after a SIGKILL there is no
+   clean-up, and the next run takes the segment over.
 
 The layout is versioned: :data:`LAYOUT` is in the magic number and in every handle, and any change to
 the header or to how pages are laid out changes it (and the channel's ``wire.PROTOCOL``), so that an
@@ -71,6 +75,7 @@ SLICE_BYTES = 32 << 20
 # slice before it refuses to start: a slice takes milliseconds, so a lock held this long is a writer
 # stopped mid-copy (SIGSTOP, swapped out), and serving its pages could let its write land in them.
 TAKEOVER_WAIT = 10.0
+MAPPED_BYTE = FENCE_SLOTS  # the lock every engine's mapping holds (the slots' locks are bytes 0 .. FENCE_SLOTS - 1)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 if hasattr(torch, "float8_e4m3fn"):
@@ -320,17 +325,19 @@ class KVStorage:
         return attached
 
     def close(self) -> None:
-        """Free the pool. A named instance's segment stays (stamped with a dead epoch, for the next run of
-        the instance to take over: an engine may still map it, and tmpfs frees its pages only when the last
-        mapping goes, so a successor that allocated a second segment might not fit); an unnamed one is
-        unlinked."""
+        """Free the pool. A named instance's segment stays while an engine maps it (stamped with a dead
+        epoch, for the next run of the instance to take over: tmpfs frees its pages only when the last
+        mapping goes, so a successor that allocated a second segment might not fit); otherwise, and for
+        an unnamed pool, it is unlinked."""
+        if self._shm is not None:
+            HEADER.pack_into(self._shm.buf, 0, MAGIC, 0)  # mappings still open see a dead epoch
+            mapped = self._locks is not None and segment.lock_held(self._locks, MAPPED_BYTE, 1)
+            if self._tracked or not mapped:  # first: the name goes even if a view of the tensor outlives this
+                segment.unlink(self._shm, self._tracked)
         if self._locks is not None:
             os.close(self._locks)
             self._locks = None
         if self._shm is not None:
-            HEADER.pack_into(self._shm.buf, 0, MAGIC, 0)  # mappings still open see a dead epoch
-            if self._tracked:  # first: the name goes even if a view of the tensor outlives this call
-                segment.unlink(self._shm, self._tracked)
             if hasattr(self, "kv"):
                 del self.kv
             try:
@@ -351,6 +358,7 @@ class AttachedKV:
         # Its own open file description: a lock belongs to the description, so two mappings in one
         # process (or this one and the sidecar's) never merge or drop each other's locks.
         self._locks = os.open(segment.shm_path(shm), os.O_RDWR)
+        segment.set_lock(self._locks, fcntl.F_RDLCK, MAPPED_BYTE)  # held while mapped (module doc, 6)
         self._writing = threading.Lock()  # one slice at a time through this mapping (the lock is per slot)
 
     @contextlib.contextmanager
