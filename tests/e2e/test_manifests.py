@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
 K8S_VERSION = "1.37.0"
 CUSTOM_KINDS = {"PodMonitor", "PrometheusRule", "KVCachePolicy", "Kustomization", "InferencePool"}
+
+
+def all_containers(pod: dict) -> list[dict]:
+    """A pod spec's containers, its native sidecars (init containers that keep running) first."""
+    return [*pod.get("initContainers", []), *pod["containers"]]
 
 
 def documents() -> list[tuple[Path, dict]]:
@@ -138,7 +144,7 @@ def test_container_args_are_flags_the_cli_accepts():
     for _, doc in documents():
         if doc["kind"] != "Deployment":
             continue
-        for container in doc["spec"]["template"]["spec"]["containers"]:
+        for container in all_containers(doc["spec"]["template"]["spec"]):
             if "kvpool-sidecar" in container["image"]:
                 args = build_parser().parse_args(container["args"])  # exits (SystemExit) on an unknown flag
                 assert args.command in ("serve", "router")
@@ -165,8 +171,8 @@ def test_the_engine_is_wired_to_its_sidecar():
 
     docs = {doc["kind"]: doc for path, doc in documents() if path.name in ("inference.yaml", "policy.yaml")}
     pod = docs["Deployment"]["spec"]["template"]["spec"]
-    engine = next(c for c in pod["containers"] if c["name"] == "vllm")
-    sidecar = next(c for c in pod["containers"] if c["name"] == "kvpool-sidecar")
+    engine = next(c for c in all_containers(pod) if c["name"] == "vllm")
+    sidecar = next(c for c in all_containers(pod) if c["name"] == "kvpool-sidecar")
     args = engine["args"]
     transfer = KVTransferConfig(**json.loads(args[args.index("--kv-transfer-config") + 1]))
     assert KVConnectorFactory.get_connector_class(transfer).__name__ == "OffloadingConnector"
@@ -224,8 +230,8 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     deployments = {doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
                    for _, doc in documents() if doc["kind"] == "Deployment"}
     pod, router_pod = deployments["qwen-chat"], deployments["kvpool-router"]
-    engine = next(c for c in pod["containers"] if c["name"] == "vllm")
-    sidecar = next(c for c in pod["containers"] if c["name"] == "kvpool-sidecar")
+    engine = next(c for c in all_containers(pod) if c["name"] == "vllm")
+    sidecar = next(c for c in all_containers(pod) if c["name"] == "kvpool-sidecar")
     router = router_pod["containers"][0]
     served = build_parser().parse_args(sidecar["args"])
     routed = build_parser().parse_args(router["args"])
@@ -278,7 +284,7 @@ def test_the_pod_monitor_scrapes_every_kvpool_container():
         if doc["kind"] != "Deployment":
             continue
         template = doc["spec"]["template"]
-        for container in template["spec"]["containers"]:
+        for container in all_containers(template["spec"]):
             if "kvpool-sidecar" not in container["image"]:
                 continue
             assert selector.matches(template["metadata"]["labels"]), doc["metadata"]["name"]
@@ -410,7 +416,7 @@ def sidecar_pods() -> list[tuple[dict, dict, object, int]]:
         if doc["kind"] != "Deployment":
             continue
         pod = doc["spec"]["template"]["spec"]
-        for c in pod["containers"]:
+        for c in all_containers(pod):
             if c.get("args", [None])[0] == "serve":
                 served = build_parser().parse_args(c["args"])
                 if served.kv_shape:
@@ -511,3 +517,69 @@ def test_a_pool_larger_than_its_shm_mount_is_refused_at_start_naming_the_sizes()
     assert proc.returncode != 0
     assert "of shared memory, and the shm mount has" in err and "GiB free" in err and "--pages" in err
     assert "Bus error" not in err and proc.returncode != -7  # not a SIGBUS
+
+
+def test_the_inference_pod_starts_its_sidecar_first_stops_it_last_and_probes_cheap_endpoints():
+    """The native-sidecar pattern (Kubernetes 1.29+): the sidecar is an init container that keeps running
+    (restartPolicy Always), so it starts, its startupProbe passed, before vLLM and stops after it; its
+    liveness is the lock-free /healthz, lenient (a failure is a SIGTERM), apart from readiness; vLLM has a
+    preStop and a grace period to drain; a PDB and a topology spread keep replicas apart."""
+    from kvpool_sidecar.cli import build_parser
+    from kvpool_sidecar.service.app import create_app
+    from kvpool_sidecar.service.state import Sidecar
+
+    path = MANIFESTS / "examples" / "inference.yaml"
+    docs = [d for p, d in documents() if p == path]
+    deploy = next(d for d in docs if d["kind"] == "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    [sidecar] = pod["initContainers"]
+    assert sidecar["name"] == "kvpool-sidecar" and sidecar["restartPolicy"] == "Always"
+    assert [c["name"] for c in pod["containers"]] == ["vllm"]
+    ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
+    served = build_parser().parse_args(sidecar["args"])
+    assert ports["api"] == served.port
+    routes = {r.path for r in create_app(Sidecar(SidecarConfig(), 8)).routes}
+    for probe, path_ in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert sidecar[probe]["httpGet"] == {"path": path_, "port": "api"} and path_ in routes
+    liveness = sidecar["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 60  # a minute of failures, not one
+    startup = sidecar["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120  # allocating a large pool
+    engine = pod["containers"][0]
+    assert engine["lifecycle"]["preStop"] and pod["terminationGracePeriodSeconds"] >= 120
+    assert {"startupProbe", "livenessProbe", "readinessProbe"} <= engine.keys()
+    labels = deploy["spec"]["selector"]["matchLabels"]
+    budget = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
+    assert budget["spec"]["selector"]["matchLabels"] == labels and budget["spec"]["maxUnavailable"] == 1
+    assert pod["topologySpreadConstraints"][0]["labelSelector"]["matchLabels"] == labels
+
+
+def test_liveness_answers_at_once_while_the_pool_is_too_busy_for_metrics():
+    """/healthz takes no lock: while a pool call holds the pool (a large eviction, a takeover's wait),
+    a scrape of /metrics waits for it, and the liveness probe still answers in milliseconds."""
+    import statistics
+    import threading
+
+    with live_sidecar(pages=64) as (url, sidecar):
+        busy, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with sidecar._mutex:
+                busy.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert busy.wait(5)
+        try:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.get(url + "/metrics", timeout=1.0)  # what a /metrics liveness probe would get
+            took = []
+            for _ in range(20):
+                start = time.perf_counter()
+                assert httpx.get(url + "/healthz", timeout=1.0).status_code == 200
+                took.append(time.perf_counter() - start)
+            assert statistics.median(took) < 0.05, took
+        finally:
+            release.set()
+            holder.join()
