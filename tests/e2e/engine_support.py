@@ -62,6 +62,12 @@ class SidecarProcess:
                 time.sleep(0.1)
         raise RuntimeError("the sidecar did not start")
 
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/healthz", timeout=0.5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def kill(self) -> str:
         """SIGKILL: no clean-up runs, its shared-memory segment stays (the restart takes it over); returns its name."""
         assert self.proc is not None
