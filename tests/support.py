@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -12,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import uvicorn
 from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.service.app import create_app
@@ -95,3 +100,19 @@ def kubelet_projection(root: Path, data: dict, version: int) -> None:
     link = root / "config.yaml"
     if not link.is_symlink():
         link.symlink_to("..data/config.yaml")
+
+
+def run_in_small_shm(driver: Path, *args: object, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``driver`` in a mount namespace of its own whose /dev/shm is a 64 MiB tmpfs (a pod's memory
+    volume), with the tests' own modules importable; skips where unshare(1) or the mount is not allowed."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) (util-linux) to give the test a /dev/shm of its own")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.strip()}")
+    script = (f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {driver} "
+              + " ".join(str(a) for a in args))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=timeout, env=env)

@@ -6,10 +6,6 @@ before or across a restart."""
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +13,7 @@ from pathlib import Path
 import pytest
 from engine_support import SidecarProcess
 from kvpool_sidecar.storage import tensors
+from support import run_in_small_shm
 from test_vllm_tier import KV_SHAPE, keys, loaded_bytes, lookups, manager, shipped_tier, steps_until, store
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
@@ -37,17 +34,7 @@ def test_the_tier_stores_and_loads_through_a_sidecar_stopped_then_killed_in_a_ne
     primary region: the sidecar is stopped (SIGTERM), then killed -9, while the tier maps the pool; each
     restart starts (a second pool would not fit), and the tier stores and promotes the right bytes again
     (tests/e2e/tier_shm_restart.py)."""
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1) (util-linux) to give the test a /dev/shm of its own")
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.strip()}")
-    driver = Path(__file__).with_name("tier_shm_restart.py")
-    script = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {driver} 21000 {tmp_path}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the tests' own modules
-    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
-                         text=True, timeout=300, env=env)
+    out = run_in_small_shm(Path(__file__).with_name("tier_shm_restart.py"), 21000, tmp_path, timeout=300)
     assert out.returncode == 0 and "restarted and served" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 

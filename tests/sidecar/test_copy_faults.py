@@ -5,7 +5,6 @@ session's link fails. Real sidecars on their engine channel, the connector's two
 
 from __future__ import annotations
 
-import pytest
 import torch
 from kvpool_sidecar.engines import scheduler as scheduler_module
 from kvpool_sidecar.engines.blocks import engine_layers
@@ -187,22 +186,9 @@ def test_a_sidecar_stopped_or_killed_beside_a_live_engine_restarts_in_a_nearly_f
     of about 41 MiB. The sidecar is stopped (SIGTERM), then killed -9, while an engine maps the pool: each
     restarted sidecar must start (a second segment beside the one the engine still maps would not fit),
     and the engine remaps and saves and loads through it (tests/sidecar/small_shm_restart.py)."""
-    import shutil
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from support import free_port
+    from support import free_port, run_in_small_shm
 
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1) (util-linux) to give the test a /dev/shm of its own")
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.strip()}")
-    driver = Path(__file__).with_name("small_shm_restart.py")
-    script = (f"mount -t tmpfs -o size=64m tmpfs /dev/shm && "
-              f"exec {sys.executable} {driver} {free_port()} 1300 {tmp_path}")
-    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
-                         text=True, timeout=240)
+    out = run_in_small_shm(Path(__file__).with_name("small_shm_restart.py"), free_port(), 1300, tmp_path)
     assert out.returncode == 0 and "restarted and served" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

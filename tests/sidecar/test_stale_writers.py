@@ -20,6 +20,7 @@ from kvpool_sidecar.engines.scheduler import LoadJob, SchedulerSide, StepDone, S
 from kvpool_sidecar.engines.worker import WorkerSide
 from kvpool_sidecar.storage import KVStorage, StaleHandle
 from kvpool_sidecar.storage import tensors as tensors_module
+from kvpool_sidecar.storage.segment import release_instance
 from kvpool_sidecar.storage.tensors import HEADER, LayoutMismatch, WritersStillActive
 from support import live_sidecar, socket_path
 from test_engine_connector import CONFIG, PS, SHAPE, engine_kv, hashes, hello, settle, wait_for, welcome_of
@@ -150,9 +151,7 @@ def test_a_takeover_waits_for_the_old_pools_writers_and_refuses_to_start_past_it
         new.close()
         engine.close()
     finally:
-        for leftover in os.listdir("/dev/shm"):
-            if leftover.startswith(f"kvpool-{instance}-"):
-                os.unlink(f"/dev/shm/{leftover}")
+        release_instance(instance)
 
 
 def test_a_writer_stalled_when_its_process_dies_lets_the_takeover_go_on():
@@ -181,9 +180,7 @@ def test_a_writer_stalled_when_its_process_dies_lets_the_takeover_go_on():
         assert not new.writers_on(fence[0])
         new.close()
     finally:
-        for leftover in os.listdir("/dev/shm"):
-            if leftover.startswith(f"kvpool-{instance}-"):
-                os.unlink(f"/dev/shm/{leftover}")
+        release_instance(instance)
 
 
 def test_an_engine_speaking_the_previous_protocol_is_refused_at_hello_naming_both_versions():
