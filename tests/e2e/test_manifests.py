@@ -268,33 +268,70 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     assert TransferKeys.load(tmp_path / "kvpool-transfer-keys" / "keys").signing[0] == "k1"
 
 
-def test_the_pod_monitor_scrapes_every_kvpool_container():
-    """The PodMonitor (a custom resource, skipped by the schema check above): its selector picks the
-    pods of every Deployment running kvpool, and each kvpool container serves /metrics beyond loopback
-    on a named port that one of its endpoints scrapes."""
-    from kvpool_sidecar.cli import build_parser
+def pod_monitors() -> list[dict]:
+    return [doc for _, doc in documents() if doc["kind"] == "PodMonitor"]
+
+
+def scraped_containers() -> dict[tuple[str, str], str]:
+    """What the PodMonitors make Prometheus scrape, as the Prometheus Operator builds it: each endpoint
+    takes the container ports of its name in the pods that its monitor's selector matches, in the
+    namespaces the monitor covers (its own when it names none), with the job its relabelings set (else
+    namespace/name of the monitor). (Deployment, container) -> job."""
     from kvpool_sidecar.config import LabelSelector
 
-    monitor = next(doc for _, doc in documents() if doc["kind"] == "PodMonitor")
-    selector = LabelSelector.model_validate(monitor["spec"]["selector"])
-    scraped_ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"] if e["path"] == "/metrics"}
-    assert monitor["spec"]["namespaceSelector"] == {"any": True}
-    checked = 0
+    out = {}
     for _, doc in documents():
         if doc["kind"] != "Deployment":
             continue
-        template = doc["spec"]["template"]
-        for container in all_containers(template["spec"]):
-            if "kvpool-sidecar" not in container["image"]:
+        template, namespace = doc["spec"]["template"], doc["metadata"]["namespace"]
+        for monitor in pod_monitors():
+            covered = monitor["spec"].get("namespaceSelector") or {}
+            if not covered.get("any") and namespace not in covered.get("matchNames",
+                                                                       [monitor["metadata"]["namespace"]]):
                 continue
-            assert selector.matches(template["metadata"]["labels"]), doc["metadata"]["name"]
+            if not LabelSelector.model_validate(monitor["spec"]["selector"]).matches(template["metadata"]["labels"]):
+                continue
+            for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+                job = next((r["replacement"] for r in endpoint.get("relabelings", []) if r["targetLabel"] == "job"),
+                           f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}")
+                for container in all_containers(template["spec"]):
+                    if endpoint["port"] in {p["name"] for p in container.get("ports", [])}:
+                        out[(doc["metadata"]["name"], container["name"])] = job
+    return out
+
+
+def test_the_pod_monitor_scrapes_every_kvpool_container():
+    """The PodMonitors (custom resources, skipped by the schema check above) select kvpool's own label,
+    not any pod with an `app` label: each kvpool container (the inference pod's sidecar, the router, the
+    operator) is scraped under its own job, on a named port where it serves /metrics beyond loopback,
+    and nothing else is: not the Inference Extension's picker, whose port is also named `metrics`."""
+    from kvpool_operator.cli import build_parser as operator_parser
+    from kvpool_sidecar.cli import build_parser
+    from kvpool_sidecar.config import LabelSelector
+
+    assert scraped_containers() == {("qwen-chat", "kvpool-sidecar"): "kvpool-sidecar",
+                                    ("kvpool-router", "router"): "kvpool-router",
+                                    ("kvpool-operator", "operator"): "kvpool-operator"}
+    for monitor in pod_monitors():
+        selector = LabelSelector.model_validate(monitor["spec"]["selector"])
+        assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/part-of"] == "kvpool"
+        assert not selector.matches({"app": "postgres"})  # someone else's pod in a namespace it covers
+    sidecars = next(m for m in pod_monitors() if m["metadata"]["name"] == "kvpool-sidecars")
+    assert sidecars["spec"]["namespaceSelector"] == {"any": True}  # inference pods in any namespace
+    deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for _, d in documents()
+                   if d["kind"] == "Deployment"}
+    endpoints = {e["port"]: e for m in pod_monitors() for e in m["spec"]["podMetricsEndpoints"]}
+    for deployment, name in scraped_containers():
+        container = next(c for c in all_containers(deployments[deployment]) if c["name"] == name)
+        if "kvpool-operator" in container["image"]:
+            args = operator_parser().parse_args(container["args"])
+            host, port = args.metrics_host, args.metrics_port
+        else:
             args = build_parser().parse_args(container["args"])
             host, port = ((args.metrics_host, args.metrics_port) if args.command == "serve"
                           else (args.host, args.port))
-            named = {p["containerPort"]: p["name"] for p in container["ports"]}
-            assert host == "0.0.0.0" and named.get(port) in scraped_ports, (doc["metadata"]["name"], host, port)
-            checked += 1
-    assert checked == 2  # the inference pod's sidecar and the router
+        named = {p["containerPort"]: p["name"] for p in container["ports"]}
+        assert host == "0.0.0.0" and endpoints[named[port]]["path"] == "/metrics", (deployment, host, port)
 
 
 # The InferencePool's schema as published by the Gateway API Inference Extension (inference.networking.k8s.io/v1,
