@@ -34,22 +34,36 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     import kvpool_operator.handlers  # noqa: F401  (registers the handlers)
 
+    server = None
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        from kvpool_operator.metrics import REGISTRY
+
+        # Read-only and open, but only where asked: loopback unless --metrics-host.
+        server, _ = start_http_server(args.metrics_port, args.metrics_host or "127.0.0.1", registry=REGISTRY)
     namespaces = args.namespace or []
-    kopf.run(
-        clusterwide=not namespaces,
-        namespaces=namespaces,
-        liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz",
-        standalone=args.standalone,
-    )
+    try:
+        kopf.run(
+            clusterwide=not namespaces,
+            namespaces=namespaces,
+            liveness_endpoint=f"http://0.0.0.0:{args.liveness_port}/healthz",
+            standalone=args.standalone,
+        )
+    finally:
+        if server is not None:
+            server.shutdown()
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool-operator", description="kvpool's Kubernetes operator")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="reconcile KVCachePolicy resources (all namespaces unless --namespace)")
     run.add_argument("--namespace", action="append", help="watch only this namespace (repeatable)")
     run.add_argument("--liveness-port", type=int, default=8080)
+    run.add_argument("--metrics-port", type=int, help="serve the operator's /metrics on this port (off without it)")
+    run.add_argument("--metrics-host", help="the address /metrics listens on (default 127.0.0.1)")
     run.add_argument("--standalone", action="store_true", help="no peering with other operator replicas")
     run.set_defaults(func=cmd_run)
     render = sub.add_parser("render", help="validate a KVCachePolicy and print the ConfigMap it renders")
@@ -57,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     render.set_defaults(func=cmd_render)
     crd_cmd = sub.add_parser("crd", help="print the CustomResourceDefinition (generated from the spec model)")
     crd_cmd.set_defaults(func=cmd_crd)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

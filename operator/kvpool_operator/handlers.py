@@ -2,7 +2,8 @@
 
 The operator uses the official ``kubernetes`` client for ConfigMaps, pods and sibling policies, and
 reads each target pod's sidecar ``/metrics`` (port ``METRICS_PORT``) to learn which config hash it
-runs (see :func:`kvpool_operator.status.config_hash_from_metrics`).
+runs (see :func:`kvpool_operator.status.config_hash_from_metrics`). Every handler run is counted and
+timed, and each policy's pod counts exported, in :mod:`kvpool_operator.metrics`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import kubernetes
 from kubernetes.client.rest import ApiException
 from kvpool_sidecar.config import API_GROUP, API_VERSION, ConfigError, KVCachePolicySpec, LabelSelector, validate_spec
 
+from kvpool_operator import metrics
 from kvpool_operator.crd import PLURAL
 from kvpool_operator.render import configmap_name, needs_update, render_configmap
 from kvpool_operator.status import (
@@ -103,22 +105,26 @@ def _apply_configmap(desired: dict[str, Any]) -> None:
 @kopf.on.update(API_GROUP, API_VERSION, PLURAL)
 @kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
 def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, namespace: str,
-              patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-    generation = int(meta.get("generation") or 0)
-    previous = dict(status)
-    try:
-        policy = validate_spec(dict(spec))
-    except ConfigError as exc:
-        # The ConfigMap is left as it is: the sidecars keep the last valid config.
-        kopf.warn(body, reason="InvalidSpec", message=str(exc))
-        logger.warning("invalid spec: %s", exc)
-        patch.status.update(build_status(
-            generation=generation, config_hash=previous.get("configHash"), configmap=previous.get("configMap"),
-            valid=(False, "InvalidSpec", str(exc)), conflict=None, targets=previous.get("targetPods", 0),
-            synced=previous.get("syncedPods", 0), previous=previous,
-        ))
-        return
-    patch.status.update(_write_unless_superseded(name, namespace, meta, policy, generation, previous))
+              patch: kopf.Patch, reason: kopf.Reason, logger: logging.Logger, **_: Any) -> None:
+    handler = str(getattr(reason, "value", reason))  # create, update or resume
+    with metrics.handling(handler):
+        generation = int(meta.get("generation") or 0)
+        previous = dict(status)
+        try:
+            policy = validate_spec(dict(spec))
+        except ConfigError as exc:
+            # The ConfigMap is left as it is: the sidecars keep the last valid config.
+            metrics.invalid_spec(handler)
+            kopf.warn(body, reason="InvalidSpec", message=str(exc))
+            logger.warning("invalid spec: %s", exc)
+            patch.status.update(metrics.publish(namespace, name, build_status(
+                generation=generation, config_hash=previous.get("configHash"), configmap=previous.get("configMap"),
+                valid=(False, "InvalidSpec", str(exc)), conflict=None, targets=previous.get("targetPods", 0),
+                synced=previous.get("syncedPods", 0), previous=previous,
+            )))
+            return
+        patch.status.update(metrics.publish(namespace, name, _write_unless_superseded(
+            name, namespace, meta, policy, generation, previous)))
 
 
 def _write_unless_superseded(name: str, namespace: str, meta: kopf.Meta, policy: Any, generation: int,
@@ -165,36 +171,39 @@ def _observe(name: str, namespace: str, meta: kopf.Meta, policy: KVCachePolicySp
 def resync(spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, namespace: str, patch: kopf.Patch,
            **_: Any) -> None:
     """Pods come and go and sidecars pick up configs at their own pace: refresh the counts."""
-    previous = dict(status)
-    digest = previous.get("configHash")
-    if _in_conflict(previous):  # the older policy may be gone: write the ConfigMap now if so
+    with metrics.handling("resync"):
+        previous = dict(status)
+        digest = previous.get("configHash")
+        generation = int(meta.get("generation") or 0)
+        in_conflict = _in_conflict(previous)
+        if not in_conflict and previous.get("observedGeneration") != meta.get("generation"):
+            return  # the change handler has yet to run on this generation
         try:
             policy = validate_spec(dict(spec))
         except ConfigError:
+            metrics.invalid_spec("resync")  # still refused: counted at every resync until it is fixed
             return
-        patch.status.update(_write_unless_superseded(name, namespace, meta, policy, int(meta.get("generation") or 0),
-                                                     previous))
-        return
-    if not digest or previous.get("observedGeneration") != meta.get("generation"):
-        return
-    try:
-        policy = validate_spec(dict(spec))
-    except ConfigError:
-        return
-    patch.status.update(_observe(name, namespace, meta, policy, int(meta.get("generation") or 0), digest,
-                                 previous))
+        if in_conflict:  # the older policy may be gone: write the ConfigMap now if so
+            new_status = _write_unless_superseded(name, namespace, meta, policy, generation, previous)
+        elif digest:
+            new_status = _observe(name, namespace, meta, policy, generation, digest, previous)
+        else:
+            return
+        patch.status.update(metrics.publish(namespace, name, new_status))
 
 
 @kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
 def delete(name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
     """Delete the ConfigMap explicitly (garbage collection through ownerReferences is a second net),
     then let the younger policies this one held back write theirs now rather than at the next resync."""
-    try:
-        _core().delete_namespaced_config_map(configmap_name(name), namespace)
-    except ApiException as exc:
-        if exc.status != 404:
-            raise
-    _release_held_back(name, namespace, logger)
+    with metrics.handling("delete"):
+        try:
+            _core().delete_namespaced_config_map(configmap_name(name), namespace)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        metrics.forget(namespace, name)
+        _release_held_back(name, namespace, logger)
 
 
 def _release_held_back(name: str, namespace: str, logger: logging.Logger) -> None:
@@ -207,8 +216,8 @@ def _release_held_back(name: str, namespace: str, logger: logging.Logger) -> Non
             policy = validate_spec(item.get("spec") or {})
         except ConfigError:
             continue
-        new_status = _write_unless_superseded(meta["name"], namespace, meta, policy,
-                                              int(meta.get("generation") or 0), status)
+        new_status = metrics.publish(namespace, meta["name"], _write_unless_superseded(
+            meta["name"], namespace, meta, policy, int(meta.get("generation") or 0), status))
         api.patch_namespaced_custom_object_status(API_GROUP, API_VERSION, namespace, PLURAL, meta["name"],
                                                   {"status": new_status})
         logger.info("policy %s no longer held back by %s: its ConfigMap is written", meta["name"], name)

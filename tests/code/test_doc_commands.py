@@ -143,7 +143,8 @@ def check(command: str, whole: bool, monkeypatch: pytest.MonkeyPatch) -> str | N
 
 def defined_metrics() -> set[str]:
     names = set()
-    for path in (ROOT / "sidecar" / "kvpool_sidecar").rglob("*.py"):
+    packages = (ROOT / "sidecar" / "kvpool_sidecar", ROOT / "operator" / "kvpool_operator")
+    for path in (path for package in packages for path in package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and METRIC.fullmatch(node.value):
                 names.add(node.value)

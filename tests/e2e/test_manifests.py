@@ -95,19 +95,51 @@ def rule_groups() -> dict:
     return yaml.safe_load((MANIFESTS / "monitoring" / "rules.yaml").read_text())["spec"]
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make test installs it)")
+RUNBOOKS = "https://github.com/kvpool/kvpool/blob/main/docs/troubleshooting.md#"
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
+                                    reason="promtool not installed (make test installs it)")
+
+
+def alerts() -> list[dict]:
+    return [r for g in rule_groups()["groups"] for r in g["rules"] if "alert" in r]
+
+
+@needs_promtool
 def test_promtool_accepts_the_alert_rules(tmp_path):
     rules = tmp_path / "rules.yaml"
     rules.write_text(yaml.safe_dump(rule_groups()))
     proc = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    alerts = [r for g in rule_groups()["groups"] for r in g["rules"] if "alert" in r]
-    assert len(alerts) == 8 and all(r["annotations"].get("runbook") for r in alerts)
+    assert len(alerts()) == 14
     headings = {re.sub(r"[^a-z0-9 -]", "", line[3:].lower()).replace(" ", "-")
                 for line in (ROOT / "docs" / "troubleshooting.md").read_text().splitlines() if line.startswith("## ")}
-    for alert in alerts:  # every runbook link lands on a section
-        anchor = alert["annotations"]["runbook"].split("#", 1)[1].split(":", 1)[0]
+    for alert in alerts():  # every runbook link lands on a section; the prose is the description
+        annotations = alert["annotations"]
+        assert "runbook" not in annotations and annotations["summary"] and annotations["description"]
+        assert annotations["runbook_url"].startswith(RUNBOOKS), alert["alert"]
+        anchor = annotations["runbook_url"].removeprefix(RUNBOOKS)
         assert anchor in headings, f"{alert['alert']}: no section #{anchor} in docs/troubleshooting.md"
+
+
+@needs_promtool
+def test_every_alert_fires_on_what_it_watches_and_not_on_healthy_neighbours(tmp_path):
+    """promtool's unit tests (tests/e2e/alerts_test.yaml): each alert fires after its `for` on the series
+    that should raise it, with the labels and summary an on-call engineer reads, and not on the healthy
+    series beside them. The test file lists the templated annotations; the fixed ones come from the rule."""
+    cases = yaml.safe_load((Path(__file__).parent / "alerts_test.yaml").read_text())
+    fixed = {a["alert"]: {k: v for k, v in a["annotations"].items() if "{{" not in v} for a in alerts()}
+    fired = set()
+    for case in cases["tests"]:
+        for check in case["alert_rule_test"]:
+            for expected in check["exp_alerts"]:
+                expected["exp_annotations"] = fixed[check["alertname"]] | expected.get("exp_annotations", {})
+                fired.add(check["alertname"])
+    assert fired == set(fixed), f"alerts no test sees fire: {sorted(set(fixed) - fired)}"
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule_groups()))
+    (tmp_path / "alerts_test.yaml").write_text(yaml.safe_dump(cases, sort_keys=False))
+    proc = subprocess.run(["promtool", "test", "rules", "alerts_test.yaml"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def exported_metric_names() -> set[str]:
@@ -121,10 +153,29 @@ def exported_metric_names() -> set[str]:
     with live_app(create_router_app(service)) as url:
         httpx.post(url + "/v1/route", json={"tokens": list(range(64))})
         text += httpx.get(url + "/metrics").text
+    return sample_names(text) | operator_metric_names()
+
+
+def sample_names(text: str) -> set[str]:
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
 
 
+def operator_metric_names() -> set[str]:
+    """What the operator's /metrics holds once it has reconciled a policy (its handlers publish the pod
+    counts as tests/operator/test_operator_kmock.py shows)."""
+    from kvpool_operator import metrics
+    from prometheus_client import generate_latest
+
+    metrics.publish("llm", "exported-names", {"targetPods": 2, "syncedPods": 1})
+    try:
+        return sample_names(generate_latest(metrics.REGISTRY).decode())
+    finally:
+        metrics.forget("llm", "exported-names")
+
+
 def test_dashboard_and_rules_query_only_exported_metrics():
+    """Every metric a panel or a rule queries is one the sidecar, the router or the operator exports, and
+    every job a rule names is one the PodMonitors scrape."""
     dashboard = json.loads((MANIFESTS / "monitoring" / "dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     exprs += [r["expr"] for g in rule_groups()["groups"] for r in g["rules"]]
@@ -134,7 +185,10 @@ def test_dashboard_and_rules_query_only_exported_metrics():
     missing = {m for m in used if m not in exported and m not in recorded}
     assert not missing, f"queried but not exported: {sorted(missing)}"
     assert {"kvpool_hit_tokens_total", "kvpool_reuse_decay_per_minute", "kvpool_pages", "kvpool_router_pods",
-            "kvpool_router_decisions_total"} <= used
+            "kvpool_router_decisions_total", "kvpool_config_reloads_total", "kvpool_operator_policy_target_pods",
+            "kvpool_operator_policy_synced_pods", "kvpool_operator_reconcile_errors_total"} <= used
+    jobs = {job for e in exprs for job in re.findall(r'\bjob="([^"]+)"', e)}
+    assert jobs == {"kvpool-sidecar", "kvpool-operator"} and jobs <= set(scraped_containers().values())
 
 
 def test_container_args_are_flags_the_cli_accepts():
@@ -268,33 +322,70 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     assert TransferKeys.load(tmp_path / "kvpool-transfer-keys" / "keys").signing[0] == "k1"
 
 
-def test_the_pod_monitor_scrapes_every_kvpool_container():
-    """The PodMonitor (a custom resource, skipped by the schema check above): its selector picks the
-    pods of every Deployment running kvpool, and each kvpool container serves /metrics beyond loopback
-    on a named port that one of its endpoints scrapes."""
-    from kvpool_sidecar.cli import build_parser
+def pod_monitors() -> list[dict]:
+    return [doc for _, doc in documents() if doc["kind"] == "PodMonitor"]
+
+
+def scraped_containers() -> dict[tuple[str, str], str]:
+    """What the PodMonitors make Prometheus scrape, as the Prometheus Operator builds it: each endpoint
+    takes the container ports of its name in the pods that its monitor's selector matches, in the
+    namespaces the monitor covers (its own when it names none), with the job its relabelings set (else
+    namespace/name of the monitor). (Deployment, container) -> job."""
     from kvpool_sidecar.config import LabelSelector
 
-    monitor = next(doc for _, doc in documents() if doc["kind"] == "PodMonitor")
-    selector = LabelSelector.model_validate(monitor["spec"]["selector"])
-    scraped_ports = {e["port"] for e in monitor["spec"]["podMetricsEndpoints"] if e["path"] == "/metrics"}
-    assert monitor["spec"]["namespaceSelector"] == {"any": True}
-    checked = 0
+    out = {}
     for _, doc in documents():
         if doc["kind"] != "Deployment":
             continue
-        template = doc["spec"]["template"]
-        for container in all_containers(template["spec"]):
-            if "kvpool-sidecar" not in container["image"]:
+        template, namespace = doc["spec"]["template"], doc["metadata"]["namespace"]
+        for monitor in pod_monitors():
+            covered = monitor["spec"].get("namespaceSelector") or {}
+            if not covered.get("any") and namespace not in covered.get("matchNames",
+                                                                       [monitor["metadata"]["namespace"]]):
                 continue
-            assert selector.matches(template["metadata"]["labels"]), doc["metadata"]["name"]
+            if not LabelSelector.model_validate(monitor["spec"]["selector"]).matches(template["metadata"]["labels"]):
+                continue
+            for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+                job = next((r["replacement"] for r in endpoint.get("relabelings", []) if r["targetLabel"] == "job"),
+                           f"{monitor['metadata']['namespace']}/{monitor['metadata']['name']}")
+                for container in all_containers(template["spec"]):
+                    if endpoint["port"] in {p["name"] for p in container.get("ports", [])}:
+                        out[(doc["metadata"]["name"], container["name"])] = job
+    return out
+
+
+def test_the_pod_monitor_scrapes_every_kvpool_container():
+    """The PodMonitors (custom resources, skipped by the schema check above) select kvpool's own label,
+    not any pod with an `app` label: each kvpool container (the inference pod's sidecar, the router, the
+    operator) is scraped under its own job, on a named port where it serves /metrics beyond loopback,
+    and nothing else is: not the Inference Extension's picker, whose port is also named `metrics`."""
+    from kvpool_operator.cli import build_parser as operator_parser
+    from kvpool_sidecar.cli import build_parser
+    from kvpool_sidecar.config import LabelSelector
+
+    assert scraped_containers() == {("qwen-chat", "kvpool-sidecar"): "kvpool-sidecar",
+                                    ("kvpool-router", "router"): "kvpool-router",
+                                    ("kvpool-operator", "operator"): "kvpool-operator"}
+    for monitor in pod_monitors():
+        selector = LabelSelector.model_validate(monitor["spec"]["selector"])
+        assert monitor["spec"]["selector"]["matchLabels"]["app.kubernetes.io/part-of"] == "kvpool"
+        assert not selector.matches({"app": "postgres"})  # someone else's pod in a namespace it covers
+    sidecars = next(m for m in pod_monitors() if m["metadata"]["name"] == "kvpool-sidecars")
+    assert sidecars["spec"]["namespaceSelector"] == {"any": True}  # inference pods in any namespace
+    deployments = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for _, d in documents()
+                   if d["kind"] == "Deployment"}
+    endpoints = {e["port"]: e for m in pod_monitors() for e in m["spec"]["podMetricsEndpoints"]}
+    for deployment, name in scraped_containers():
+        container = next(c for c in all_containers(deployments[deployment]) if c["name"] == name)
+        if "kvpool-operator" in container["image"]:
+            args = operator_parser().parse_args(container["args"])
+            host, port = args.metrics_host, args.metrics_port
+        else:
             args = build_parser().parse_args(container["args"])
             host, port = ((args.metrics_host, args.metrics_port) if args.command == "serve"
                           else (args.host, args.port))
-            named = {p["containerPort"]: p["name"] for p in container["ports"]}
-            assert host == "0.0.0.0" and named.get(port) in scraped_ports, (doc["metadata"]["name"], host, port)
-            checked += 1
-    assert checked == 2  # the inference pod's sidecar and the router
+        named = {p["containerPort"]: p["name"] for p in container["ports"]}
+        assert host == "0.0.0.0" and endpoints[named[port]]["path"] == "/metrics", (deployment, host, port)
 
 
 # The InferencePool's schema as published by the Gateway API Inference Extension (inference.networking.k8s.io/v1,

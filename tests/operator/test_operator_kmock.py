@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -218,3 +220,68 @@ def _up(url: str) -> bool:
         return httpx.get(url + "/healthz", timeout=0.5).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def operator_sample(name: str, **labels: str) -> float:
+    """A sample of the operator's /metrics (the registry ``kvpool-operator run --metrics-port`` serves)."""
+    from kvpool_operator.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_the_operator_counts_reconciles_errors_and_pods_off_the_policys_hash(cluster, monkeypatch):
+    """What the operator's alerts read: every handler run is counted and timed, a refused spec is an
+    error, and each policy's targeted and synced pods are exported, so pods whose sidecar runs another
+    config hash show as the difference."""
+    api, core, _ = cluster
+    sidecar = {"synced": False}
+
+    def urlopen(url: str, timeout: float) -> io.BytesIO:  # the pod's sidecar /metrics: an old hash, or the policy's
+        assert url == "http://10.0.0.7:9400/metrics"
+        current = core.read_namespaced_config_map("kvpool-m", NS).metadata.annotations["kvpool.dev/config-hash"]
+        digest = current if sidecar["synced"] else "0123abcd"
+        return io.BytesIO(f'kvpool_config_info{{hash="{digest}",policy="lru",source="llm/m"}} 1\n'.encode())
+
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    core.create_namespaced_pod(NS, {"metadata": {"name": "p1", "namespace": NS, "labels": {"app": "chat"}},
+                                    "spec": {"containers": [{"name": "c", "image": "x"}]},
+                                    "status": {"phase": "Running", "podIP": "10.0.0.7"}})
+    pods = {"policy_namespace": NS, "policy": "m"}
+    created = operator_sample("kvpool_operator_reconciles_total", handler="create")
+    timed = operator_sample("kvpool_operator_reconcile_seconds_count", handler="create")
+    api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("m"))
+    wait_for(lambda: status(api, "m").get("observedGeneration") == 1)
+    assert operator_sample("kvpool_operator_reconciles_total", handler="create") == created + 1
+    assert operator_sample("kvpool_operator_reconcile_seconds_count", handler="create") == timed + 1
+    # The pod's sidecar runs another config: 1 pod targeted, none synced (KVPoolPodsOffPolicyHash).
+    assert operator_sample("kvpool_operator_policy_target_pods", **pods) == 1
+    assert operator_sample("kvpool_operator_policy_synced_pods", **pods) == 0
+
+    # It runs the policy's config: the next reconcile counts it synced.
+    sidecar["synced"] = True
+    api.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "m", {"spec": {"eviction": {"weights": {
+        "reuse": 0.7}}}})
+    wait_for(lambda: status(api, "m").get("observedGeneration") == 2)
+    assert status(api, "m")["syncedPods"] == 1
+    assert operator_sample("kvpool_operator_policy_synced_pods", **pods) == 1
+
+    # An invalid spec: one error of the update handler (Valid=False in the policy's status).
+    errors = operator_sample("kvpool_operator_reconcile_errors_total", handler="update", reason="invalid_spec")
+    updates = operator_sample("kvpool_operator_reconciles_total", handler="update")
+    api.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "m", {"spec": {"pageSize": 0}})
+    wait_for(lambda: cond(status(api, "m"), "Valid").get("status") == "False")
+    assert operator_sample("kvpool_operator_reconcile_errors_total", handler="update",
+                           reason="invalid_spec") == errors + 1
+    assert operator_sample("kvpool_operator_reconciles_total", handler="update") == updates + 1
+
+    # Deleted: its series go with it.
+    api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "m")
+    wait_for(lambda: _gone(core, "kvpool-m"))
+    wait_for(lambda: "policy=\"m\"" not in operator_text())
+
+
+def operator_text() -> str:
+    from kvpool_operator.metrics import REGISTRY
+    from prometheus_client import generate_latest
+
+    return generate_latest(REGISTRY).decode()

@@ -202,3 +202,25 @@ def test_render_refuses_a_bad_policy_naming_the_field(change, field, tmp_path, c
     assert main(["render", "-f", str(path)]) == 2
     err = capsys.readouterr()
     assert err.out == "" and f"error: {field}" in err.err and "Traceback" not in err.err
+
+
+def test_run_serves_the_operators_metrics_on_its_port_while_it_runs(monkeypatch):
+    """`kvpool-operator run --metrics-port P` serves the operator's metrics there while kopf runs (on
+    loopback unless --metrics-host), and stops serving when the operator stops."""
+    import httpx
+    import kopf
+    from support import free_port
+
+    port = free_port()
+    scraped: list[str] = []
+
+    def kopf_run(**_: object) -> None:  # the operator running: Prometheus scrapes it
+        scraped.append(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text)
+
+    monkeypatch.setattr(kopf, "run", kopf_run)
+    assert main(["run", "--standalone", "--metrics-port", str(port)]) == 0
+    assert 'kvpool_operator_reconciles_total{handler="resync"}' in scraped[0]
+    assert 'kvpool_operator_reconcile_errors_total{handler="update",reason="invalid_spec"}' in scraped[0]
+    assert "kvpool_operator_reconcile_seconds_bucket" in scraped[0]
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1)
