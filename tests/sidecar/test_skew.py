@@ -142,3 +142,45 @@ def test_a_config_of_an_operator_from_before_schema_versions_is_applied(sidecar)
     doc = {"source": {"name": "chat", "namespace": "llm", "generation": 3, "hash": digest}, **spec}
     assert sidecar.apply_config_text(yaml.safe_dump(doc, sort_keys=False), "config.yaml")[:2] == ("applied", None)
     assert config_hash_from_metrics(metrics(sidecar)) == digest
+
+
+def contract_fields(model: type, prefix: str = "") -> list[str]:
+    """Every field path of a config model, a list item's fields as ``name.*.field``."""
+    out = []
+    for name, field in model.model_fields.items():
+        out.append(prefix + name)
+        for step, inner in _models_in(field.annotation):
+            out += contract_fields(inner, f"{prefix}{name}.{step}")
+    return sorted(out)
+
+
+def _models_in(annotation) -> list[tuple[str, type]]:
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list:
+        return [("*." + step, inner) for step, inner in _models_in(args[0])]
+    if origin is typing.Union or origin is types.UnionType:
+        return [found for arm in args for found in _models_in(arm)]
+    return [("", annotation)] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
+# The fingerprint of each schema version's fields. A field added to the config contract needs
+# SCHEMA_VERSION + 1 (config.py) and its fingerprint here: docs/upgrades.md.
+FINGERPRINTS = {1: "6119be3b"}
+
+
+def test_the_contracts_fields_change_only_with_the_schema_version():
+    import hashlib
+
+    from kvpool_sidecar.config import SCHEMA_VERSION
+
+    paths = contract_fields(SidecarConfig)
+    assert "workloads.adapters.*.tenant" in paths and "source.hash" in paths
+    fingerprint = hashlib.sha256("\n".join(paths).encode()).hexdigest()[:8]
+    assert FINGERPRINTS.get(SCHEMA_VERSION) == fingerprint, (
+        f"the config contract's fields are not those of schema version {SCHEMA_VERSION}: bump SCHEMA_VERSION "
+        f"and record {SCHEMA_VERSION + 1}: {fingerprint!r} (docs/upgrades.md)")
