@@ -5,7 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from kvpool_sidecar.config import API_GROUP, API_VERSION, KIND, KVCachePolicySpec, spec_hash
+from kvpool_sidecar.config import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    SCHEMA_KEY,
+    SCHEMA_VERSION,
+    KVCachePolicySpec,
+    config_hash,
+    spec_document,
+)
 
 CONFIG_KEY = "config.yaml"
 HASH_ANNOTATION = f"{API_GROUP}/config-hash"
@@ -16,11 +25,13 @@ def configmap_name(policy_name: str) -> str:
 
 
 def config_document(name: str, namespace: str, generation: int, spec: KVCachePolicySpec) -> tuple[str, str]:
-    """The sidecar config file (the spec, defaults filled in, plus its source) and its hash."""
-    digest = spec_hash(spec)
+    """The sidecar config file and its hash: the spec as the user gave it (a sidecar fills in its own
+    defaults, whatever its schema version), its source and the schema version it was written for."""
+    document = spec_document(spec)
+    digest = config_hash(document)
     # The source (with the hash) comes first: a file cut short keeps it, and then fails the sidecar's check.
     data = {"source": {"name": name, "namespace": namespace, "generation": generation, "hash": digest},
-            **spec.model_dump(mode="json")}
+            SCHEMA_KEY: SCHEMA_VERSION, **document}
     return yaml.safe_dump(data, sort_keys=False), digest
 
 

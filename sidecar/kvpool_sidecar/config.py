@@ -1,19 +1,19 @@
 """The contract shared by the operator and the sidecar: the ``KVCachePolicy`` spec and the sidecar config.
 
 Field names are camelCase, as in Kubernetes. Every model forbids unknown fields so that a typo in a
-policy is an error that names the field, not a silently ignored setting. Plain Python + pydantic only.
+policy is an error that names the field, not a silently ignored setting; the one exception is a config
+file of the next schema version (:data:`SCHEMA_VERSION`), written by a newer operator: the fields this
+side does not know are ignored and named (docs/upgrades.md). Plain Python + pydantic only.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from kvpool_sidecar.fields import (  # ConfigError, LabelSelector and parse_duration: part of this contract too
     MAX_POLICY_NAME,
@@ -23,6 +23,8 @@ from kvpool_sidecar.fields import (  # ConfigError, LabelSelector and parse_dura
     Duration,
     LabelSelector,
     StrictModel,
+    canonical_digest,
+    drop_unknown,
     minute_of_day,
     parse_duration,
 )
@@ -30,6 +32,12 @@ from kvpool_sidecar.fields import (  # ConfigError, LabelSelector and parse_dura
 API_GROUP = "kvpool.dev"
 API_VERSION = "v1alpha1"
 KIND = "KVCachePolicy"
+# The config file's schema: one more each time the contract gains a field (always with a default, so that
+# a file without it means what it meant before). The operator writes it into every file it renders; a
+# sidecar reads files up to SCHEMA_SKEW versions either side of its own (docs/upgrades.md).
+SCHEMA_VERSION = 1
+SCHEMA_SKEW = 1
+SCHEMA_KEY = "schemaVersion"
 
 EvictionPolicyName = Literal[
     "lru", "fifo", "lfu", "s3fifo", "workload_adaptive"
@@ -348,19 +356,47 @@ class PolicySource(StrictModel):
 
 
 class SidecarConfig(KVCachePolicySpec):
-    """The sidecar's config file: the policy spec plus, when rendered by the operator, its source."""
+    """The sidecar's config file: the policy spec plus, when rendered by the operator, its source and the
+    schema version it was written for."""
 
+    schemaVersion: int | None = Field(default=None, ge=0, description=(
+        "the config schema version the file was written for (unset: this sidecar's own)"))
     source: PolicySource | None = None
+    _document: dict[str, Any] | None = PrivateAttr(default=None)  # the mapping it was read from
+    _unknown: tuple[str, ...] = PrivateAttr(default=())
 
     def spec(self) -> KVCachePolicySpec:
-        return KVCachePolicySpec.model_validate(self.model_dump(exclude={"source"}))
+        """The policy spec, with what the file set marked as set (defaults fill the rest)."""
+        return KVCachePolicySpec.model_validate(self.model_dump(exclude={"source", SCHEMA_KEY}, exclude_unset=True))
+
+    @property
+    def schema_version(self) -> int:
+        return SCHEMA_VERSION if self.schemaVersion is None else self.schemaVersion
+
+    @property
+    def unknown_fields(self) -> tuple[str, ...]:
+        """The fields of a newer schema's file that this sidecar does not know and ignored (dotted paths)."""
+        return self._unknown
+
+
+def spec_document(spec: KVCachePolicySpec) -> dict[str, Any]:
+    """The spec as given (the fields set, not the defaults: a sidecar of another schema version fills in its
+    own), as the operator renders it into the config file."""
+    return spec.model_dump(mode="json", exclude_unset=True, exclude={"source", SCHEMA_KEY})
+
+
+def config_hash(document: dict[str, Any]) -> str:
+    """The hash of a config file's mapping, its ``source`` and schema version aside: the one formula the
+    operator (over what it renders) and the sidecar (over what it read, fields it does not know included)
+    compute, so that a sidecar of another schema version reports the hash its operator expects."""
+    return canonical_digest({k: v for k, v in document.items() if k not in ("source", SCHEMA_KEY)})
 
 
 def spec_hash(spec: KVCachePolicySpec) -> str:
-    """A stable short hash of a spec's effective values (defaults filled in), as the operator writes it."""
-    data = KVCachePolicySpec.model_validate(spec.model_dump(exclude={"source"})).model_dump(mode="json")
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    """The hash a sidecar reports and the operator writes (:func:`config_hash`): of the file a config
+    was read from, or of the spec as given."""
+    document = spec._document if isinstance(spec, SidecarConfig) else None
+    return config_hash(document if document is not None else spec_document(spec))
 
 
 def _error_from(exc: ValidationError, prefix: str) -> ConfigError:
@@ -384,15 +420,40 @@ def validate_spec(data: Any, prefix: str = "spec") -> KVCachePolicySpec:
         raise _error_from(exc, prefix) from None
 
 
+def schema_version_of(data: dict[str, Any]) -> int:
+    """The schema version a config mapping was written for (unset: this side's own), refused naming
+    ``schemaVersion`` when it is more than :data:`SCHEMA_SKEW` away from :data:`SCHEMA_VERSION`."""
+    version = data.get(SCHEMA_KEY)
+    if version is None:
+        return SCHEMA_VERSION
+    if type(version) is not int:
+        raise ConfigError(SCHEMA_KEY, f"must be an integer, got {version!r}")
+    low, high = SCHEMA_VERSION - SCHEMA_SKEW, SCHEMA_VERSION + SCHEMA_SKEW
+    if not low <= version <= high:
+        raise ConfigError(SCHEMA_KEY, f"{version} is {'newer' if version > high else 'older'} than this sidecar "
+                          f"reads ({low} to {high}; its own is {SCHEMA_VERSION}): upgrade the "
+                          f"{'sidecar' if version > high else 'operator'} (docs/upgrades.md)")
+    return version
+
+
 def validate_config(data: Any) -> SidecarConfig:
+    """A config mapping (a file's, a PUT's). Unknown fields are refused, naming the field, but in a
+    file of a newer schema version (by at most :data:`SCHEMA_SKEW`): there they are a newer operator's,
+    ignored and listed in :attr:`SidecarConfig.unknown_fields`."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("", f"config must be a mapping, got {type(data).__name__}")
+    known, unknown = data, []
+    if schema_version_of(data) > SCHEMA_VERSION:
+        known, unknown = drop_unknown(SidecarConfig, data)
     try:
-        return SidecarConfig.model_validate(data)
+        config = SidecarConfig.model_validate(known)
     except ValidationError as exc:
         raise _error_from(exc, "") from None
+    config._document = data
+    config._unknown = tuple(unknown)
+    return config
 
 
 def parse_config_text(text: str) -> SidecarConfig:

@@ -4,8 +4,12 @@ selectors and the error that names a field. Plain Python + pydantic only."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import re
-from typing import Annotated, Literal
+import types
+import typing
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -69,6 +73,54 @@ class StrictModel(BaseModel):
     # Strict: `pageSize: true` is not 1 and "5" is not a number (YAML gives ints and floats their types).
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True, strict=True)
 
+
+def canonical_digest(data: Any) -> str:
+    """A short sha256 of ``data`` as canonical JSON (keys sorted, no spaces): the formula of the config hash
+    since the first release, so that a sidecar checks an older operator's ``source.hash`` as it wrote it."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def drop_unknown(model: type[BaseModel], data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``data`` without the fields that ``model`` (and the models of its fields, in lists too) does not
+    know, and their dotted paths, once each (``*`` for any item of a list: the field, not where it was
+    set). What does not have the shape of its field stays, for validation to name."""
+    dropped: list[str] = []
+    known = _known(data, model, "", dropped)
+    return known, list(dict.fromkeys(dropped))
+
+
+def _known(value: Any, annotation: Any, path: str, dropped: list[str]) -> Any:
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _known(value, typing.get_args(annotation)[0], path, dropped)
+    if origin is typing.Union or origin is types.UnionType:
+        for arm in typing.get_args(annotation):
+            if _shaped(value, arm):
+                return _known(value, arm, path, dropped)
+        return value
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel) and isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            field = annotation.model_fields.get(key) if isinstance(key, str) else None
+            if field is None:
+                dropped.append(f"{path}{key}")
+            else:
+                out[key] = _known(item, field.annotation, f"{path}{key}.", dropped)
+        return out
+    if origin is list and isinstance(value, list):
+        (item_type,) = typing.get_args(annotation) or (Any,)
+        return [_known(item, item_type, f"{path}*.", dropped) for item in value]
+    return value
+
+
+def _shaped(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` has the shape (a mapping for a model, a list for a list) of ``annotation``."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return isinstance(value, dict)
+    return typing.get_origin(annotation) is list and isinstance(value, list)
 
 
 MAX_SELECTOR_ITEMS = 64  # labels, expressions or values in one selector: far past any real one, yet bounded

@@ -103,6 +103,21 @@ def test_rendered_configmap_is_what_the_sidecar_reads():
     assert needs_update(None, cm)
 
 
+def test_rendered_file_carries_the_spec_as_given_and_its_schema_version():
+    """Not the operator's defaults: a sidecar of another schema version fills in its own (docs/upgrades.md)."""
+    from kvpool_sidecar.config import SCHEMA_VERSION, config_hash
+
+    spec = validate_spec({"pageSize": 32, "eviction": {"weights": {"reuse": 0.5}}, "selector": {}})
+    cm = render_configmap("chat", "llm", 2, spec)
+    doc = yaml.safe_load(cm["data"][CONFIG_KEY])
+    digest = cm["metadata"]["annotations"][HASH_ANNOTATION]
+    assert doc == {"source": {"name": "chat", "namespace": "llm", "generation": 2, "hash": digest},
+                   "schemaVersion": SCHEMA_VERSION, "pageSize": 32, "eviction": {"weights": {"reuse": 0.5}},
+                   "selector": {}}
+    # One formula (config_hash) on both sides: what the operator wrote is what the sidecar reports.
+    assert digest == config_hash(doc) == spec_hash(spec) == spec_hash(parse_config_text(cm["data"][CONFIG_KEY]))
+
+
 def pod(name: str, **labels: str) -> dict:
     return {"metadata": {"name": name, "labels": labels}}
 

@@ -79,6 +79,14 @@ class SidecarMetrics:
         self.config_generation = Gauge(
             "kvpool_config_generation", "metadata.generation of the policy in force", registry=r,
         )
+        self.config_schema_version = Gauge(
+            "kvpool_config_schema_version", "Config schema version of the config in force (of=config) and this "
+            "sidecar's own (of=sidecar); they may differ by one (docs/upgrades.md)", ["of"], registry=r,
+        )
+        self.config_unknown_fields = Gauge(
+            "kvpool_config_unknown_fields", "Fields of the config in force, written by an operator one schema "
+            "version newer, that this sidecar does not know and ignores (value 1)", ["field"], registry=r,
+        )
         self._define_engine_and_transfer(r)
         self._start_at_zero()
 

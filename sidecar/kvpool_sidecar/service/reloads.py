@@ -1,5 +1,7 @@
 """The config in force and its reloads: from the file (file events or polling) or a PUT, applied only
-when it parses, validates and matches its ``source.hash``; the config in force stays otherwise."""
+when it parses, validates and matches its ``source.hash``; the config in force stays otherwise. A file
+of the next schema version (a newer operator's) is applied without the fields this sidecar does not
+know: they are logged, named in ``notice`` and in ``kvpool_config_unknown_fields``."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool_sidecar.config import ConfigError, SidecarConfig, parse_config_text, spec_hash
+from kvpool_sidecar.config import SCHEMA_VERSION, ConfigError, SidecarConfig, parse_config_text, spec_hash
 from kvpool_sidecar.policies import PolicyError
 from kvpool_sidecar.pool import InvalidRequest
 from kvpool_sidecar.service.prompts import check_prompts_fit
@@ -127,6 +129,17 @@ class ConfigReloads:
         source = f"{cfg.source.namespace}/{cfg.source.name}" if cfg.source else "local"
         self.metrics.config_info.labels(self.state.hash, cfg.eviction.policy, source).set(1)
         self.metrics.config_generation.set(cfg.source.generation if cfg.source else 0)
+        self.metrics.config_schema_version.labels("config").set(cfg.schema_version)
+        self.metrics.config_schema_version.labels("sidecar").set(SCHEMA_VERSION)
+        self.metrics.config_unknown_fields.clear()
+        for name in cfg.unknown_fields:
+            self.metrics.config_unknown_fields.labels(name).set(1)
+        if cfg.unknown_fields:
+            ignored = (f"config schema version {cfg.schema_version} is newer than this sidecar's {SCHEMA_VERSION}: "
+                       f"ignored the fields it does not know ({', '.join(cfg.unknown_fields)}); upgrade the "
+                       "sidecar to use them (docs/upgrades.md)")
+            log.warning("%s", ignored)
+            self.state.notice = f"{self.state.notice}; {ignored}" if self.state.notice else ignored
 
     def mark_config_file_read(self) -> None:
         """The file's current content is what the sidecar started with: do not 'reload' it."""

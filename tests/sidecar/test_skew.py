@@ -1,0 +1,186 @@
+"""Version skew (issue 68, docs/upgrades.md): a sidecar one config schema version apart from the operator
+reads its file, and reports the hash that operator expects; beyond one version, or with a typo at its own
+version, the file is refused naming the field."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import yaml
+from kvpool_operator.render import config_document
+from kvpool_operator.status import config_hash_from_metrics
+from kvpool_sidecar.config import ConfigError, KVCachePolicySpec, SidecarConfig, parse_config_text
+from kvpool_sidecar.service.state import Sidecar
+from prometheus_client import generate_latest
+
+SPEC = {"pageSize": 4, "eviction": {"policy": "lru", "weights": {"reuse": 0.5}},
+        "pinning": {"quotaPercent": 10, "autoPin": {"enabled": False}}, "routing": {"minLoad": 8}}
+
+
+def rendered(spec: dict = SPEC) -> dict:
+    """The file this operator renders for ``spec``, as a mapping."""
+    text, _ = config_document("chat", "llm", 3, KVCachePolicySpec.model_validate(spec))
+    return yaml.safe_load(text)
+
+
+def as_written(doc: dict) -> tuple[str, str]:
+    """``doc`` as an operator of its schema version writes it: the hash (by the one formula) in source.hash."""
+    from kvpool_sidecar.config import config_hash
+
+    doc["source"]["hash"] = digest = config_hash(doc)
+    return yaml.safe_dump(doc, sort_keys=False), digest
+
+
+def newer_operators_file() -> tuple[str, str]:
+    """An operator one schema version newer: fields it added, each with its default (the CRD's defaulting
+    writes them into every policy's spec), in a section, as a section, and in a list's items."""
+    doc = rendered({**SPEC, "pinning": {**SPEC["pinning"], "prompts": [
+        {"name": "sys", "model": "m", "tokens": list(range(8))}]}})
+    doc["schemaVersion"] += 1
+    doc["eviction"]["admissionFilter"] = "none"
+    doc["compaction"] = {"enabled": False}
+    doc["pinning"]["prompts"][0]["priority"] = 0
+    return as_written(doc)
+
+
+NEW_FIELDS = ("eviction.admissionFilter", "compaction", "pinning.prompts.*.priority")
+
+
+def metrics(sidecar: Sidecar) -> str:
+    return generate_latest(sidecar.metrics.registry).decode()
+
+
+@pytest.fixture
+def sidecar():
+    running = Sidecar(SidecarConfig.model_validate({"pageSize": 4}), 64)
+    yield running
+    running.close()
+
+
+def test_a_config_one_schema_version_newer_is_applied_without_the_fields_it_added(sidecar, caplog):
+    text, digest = newer_operators_file()
+    with caplog.at_level(logging.WARNING, logger="kvpool.sidecar"):
+        assert sidecar.apply_config_text(text, "config.yaml") == ("applied", None, "")
+    config = sidecar.state.config
+    assert config.eviction.weights.reuse == 0.5 and config.pinning.quotaPercent == 10
+    assert sorted(config.unknown_fields) == sorted(NEW_FIELDS)
+    text_metrics = metrics(sidecar)
+    assert config_hash_from_metrics(text_metrics) == digest  # the newer operator counts the pod as synced
+    version = yaml.safe_load(text)["schemaVersion"]
+    assert f'kvpool_config_schema_version{{of="config"}} {float(version)}' in text_metrics
+    assert f'kvpool_config_schema_version{{of="sidecar"}} {float(version - 1)}' in text_metrics
+    for field in NEW_FIELDS:
+        assert f'kvpool_config_unknown_fields{{field="{field}"}} 1.0' in text_metrics
+        assert field in sidecar.state.notice and field in caplog.text
+    # The next config of this sidecar's own version clears them.
+    own, _ = as_written(rendered())
+    assert sidecar.apply_config_text(own, "config.yaml")[0] == "applied"
+    assert "kvpool_config_unknown_fields{" not in metrics(sidecar) and sidecar.state.notice is None
+
+
+def test_a_new_pod_starts_on_a_newer_operators_config():
+    text, digest = newer_operators_file()
+    started = Sidecar(parse_config_text(text), 64)
+    try:
+        assert config_hash_from_metrics(metrics(started)) == digest
+        assert all(field in started.state.notice for field in NEW_FIELDS)
+    finally:
+        started.close()
+
+
+def test_a_config_one_schema_version_older_gets_this_sidecars_defaults(sidecar):
+    doc = rendered()
+    doc["schemaVersion"] -= 1
+    del doc["routing"]["minLoad"]  # a field the older operator (and its CRD) does not have
+    text, digest = as_written(doc)
+    assert sidecar.apply_config_text(text, "config.yaml") == ("applied", None, "")
+    assert sidecar.state.config.routing.minLoad == KVCachePolicySpec().routing.minLoad
+    assert sidecar.state.config.eviction.weights.reuse == 0.5 and sidecar.state.config.unknown_fields == ()
+    assert config_hash_from_metrics(metrics(sidecar)) == digest
+
+
+@pytest.mark.parametrize(("skew", "upgrade"), [(2, "upgrade the sidecar"), (-2, "upgrade the operator")])
+def test_a_config_two_schema_versions_apart_is_refused_naming_schema_version(sidecar, skew, upgrade):
+    doc = rendered()
+    doc["schemaVersion"] += skew
+    text, _ = as_written(doc)
+    with pytest.raises(ConfigError) as err:
+        parse_config_text(text)
+    assert err.value.field == "schemaVersion" and upgrade in str(err.value)
+    before = sidecar.state.hash
+    result, error, field = sidecar.apply_config_text(text, "config.yaml")
+    assert (result, field) == ("invalid", "schemaVersion") and sidecar.state.hash == before
+
+
+@pytest.mark.parametrize("skew", [None, 0, -1])
+def test_a_typo_in_a_config_of_this_or_an_older_schema_version_is_still_refused(skew):
+    from kvpool_sidecar.config import SCHEMA_VERSION
+
+    doc = rendered()
+    assert doc["schemaVersion"] == SCHEMA_VERSION
+    if skew is None:
+        del doc["schemaVersion"]  # a hand-written file: read as this sidecar's version
+    else:
+        doc["schemaVersion"] += skew
+    doc["eviction"]["weightz"] = {"reuse": 0.9}
+    text, _ = as_written(doc)
+    with pytest.raises(ConfigError) as err:
+        parse_config_text(text)
+    assert err.value.field == "eviction.weightz" and "unknown field" in str(err.value)
+
+
+def test_a_config_of_an_operator_from_before_schema_versions_is_applied(sidecar):
+    """Its file: the fully defaulted spec, no schemaVersion, and source.hash over the canonical JSON of that
+    spec (how 0.1.0 wrote it); this sidecar reads it as its own version and checks the hash alike. (Passes
+    before the change too: it keeps the way from such an operator open, sidecars first.)"""
+    import hashlib
+    import json
+
+    spec = KVCachePolicySpec.model_validate(SPEC).model_dump(mode="json")
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    doc = {"source": {"name": "chat", "namespace": "llm", "generation": 3, "hash": digest}, **spec}
+    assert sidecar.apply_config_text(yaml.safe_dump(doc, sort_keys=False), "config.yaml")[:2] == ("applied", None)
+    assert config_hash_from_metrics(metrics(sidecar)) == digest
+
+
+def contract_fields(model: type, prefix: str = "") -> list[str]:
+    """Every field path of a config model, a list item's fields as ``name.*.field``."""
+    out = []
+    for name, field in model.model_fields.items():
+        out.append(prefix + name)
+        for step, inner in _models_in(field.annotation):
+            out += contract_fields(inner, f"{prefix}{name}.{step}")
+    return sorted(out)
+
+
+def _models_in(annotation) -> list[tuple[str, type]]:
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list:
+        return [("*." + step, inner) for step, inner in _models_in(args[0])]
+    if origin is typing.Union or origin is types.UnionType:
+        return [found for arm in args for found in _models_in(arm)]
+    return [("", annotation)] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
+# The fingerprint of each schema version's fields. A field added to the config contract needs
+# SCHEMA_VERSION + 1 (config.py) and its fingerprint here: docs/upgrades.md.
+FINGERPRINTS = {1: "6119be3b"}
+
+
+def test_the_contracts_fields_change_only_with_the_schema_version():
+    import hashlib
+
+    from kvpool_sidecar.config import SCHEMA_VERSION
+
+    paths = contract_fields(SidecarConfig)
+    assert "workloads.adapters.*.tenant" in paths and "source.hash" in paths
+    fingerprint = hashlib.sha256("\n".join(paths).encode()).hexdigest()[:8]
+    assert FINGERPRINTS.get(SCHEMA_VERSION) == fingerprint, (
+        f"the config contract's fields are not those of schema version {SCHEMA_VERSION}: bump SCHEMA_VERSION "
+        f"and record {SCHEMA_VERSION + 1}: {fingerprint!r} (docs/upgrades.md)")
