@@ -132,9 +132,10 @@ def test_a_file_cut_short_or_emptied_is_refused_and_the_old_config_stays(tmp_pat
             view = c.config()
             assert view["hash"] == digest and view["config"]["pinning"]["quotaPercent"] == 10
             assert reason in view["last_error"]
-        path.write_text(full.replace("quotaPercent: 10", "quotaPercent: 10.0"))  # the same spec: fine again
-        time.sleep(0.5)
-        assert c.config()["hash"] == digest
+        before = c.config()["reloads"]["invalid"]
+        path.write_text(yaml.safe_dump(yaml.safe_load(full), default_flow_style=True))  # the same spec, laid out
+        time.sleep(0.5)  # anew: fine again
+        assert c.config()["hash"] == digest and c.config()["reloads"]["invalid"] == before
 
 
 def test_file_events_apply_a_change_well_under_a_second(tmp_path):
