@@ -39,7 +39,9 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         if key in ("title", "$defs"):
             continue
         if key == "additionalProperties" and value is False:
-            continue  # structural schemas prune unknown fields instead (the sidecar refuses them too, but for a file one schema version newer than itself)
+            # Structural schemas prune unknown fields instead (the sidecar refuses them too, but for a file
+            # one schema version newer than itself).
+            continue
         if key == "default" and value is None:
             continue  # unset is the default: the API server leaves the field out and the model fills it
         if key == "anyOf" and any(v.get("type") == "null" for v in value):
