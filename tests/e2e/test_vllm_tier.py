@@ -303,3 +303,30 @@ def test_a_pin_by_token_ids_holds_the_chunks_the_tier_stored(sidecar):
         assert sidecar.get("/v1/stats")["pinned_pages"] == 3
     finally:
         one.shutdown()
+
+
+def test_reset_cache_waits_for_a_store_whose_admission_was_just_answered(sidecar):
+    """vLLM's reset_cache (/reset_prefix_cache, sleep) drains the tier, then asserts no job is left. A store
+    whose admission has been answered, but whose copy the link's thread has not queued yet, is still a job:
+    drain returns once it is reported, and vLLM's manager takes the report in."""
+    one = manager("e1", sidecar)
+    go = threading.Event()
+    try:
+        link = one.secondary_tiers[0].side.link
+        admit, answered = link.admit, threading.Event()
+
+        def admit_then_pause(op):  # the link's thread, between the answer and the tier's own callback
+            future = admit(op)
+            future.add_done_callback(lambda f: (answered.set(), go.wait(10)))
+            return future
+
+        link.admit = admit_then_pause
+        store(one, "r1", keys("drain", 2), fill=1)
+        assert answered.wait(10), "the store was never admitted"
+        threading.Timer(0.3, go.set).start()
+        one.reset_cache()  # asserts every job was reported once the tiers drained
+        assert not one.has_pending_work()
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 2, "the store was lost")
+    finally:
+        go.set()
+        one.shutdown()

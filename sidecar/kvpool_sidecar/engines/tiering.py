@@ -28,6 +28,9 @@ its fence stops its copies the moment it ends, its lapsed pages are quarantined)
   fence checked first (:meth:`AttachedKV.writing`), then committed and released on
   the link, in that order: a page is published only after its bytes are written. vLLM keeps the
   primary chunks pinned until the job is reported done.
+
+:meth:`TierSide.drain` returns only once every submitted job's result is queued for
+:meth:`TierSide.finished_jobs` (vLLM's ``reset_cache`` asserts no job is left after it).
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,11 +108,10 @@ class TierSide:
         self._requests: dict[str, _Request] = {}
         self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-tier")
         self._done: queue.SimpleQueue[tuple[Finished, list[_Hold]]] = queue.SimpleQueue()
-        self._jobs: set[int] = set()  # submitted, not yet reported
-        self._stores: list[Future] = []  # store admissions not yet answered (for drain)
-        self._copies: list[Future] = []
+        self._jobs: set[int] = set()  # submitted, not yet reported (the scheduler's thread)
+        self._unfinished: set[int] = set()  # submitted, their result not yet queued (any thread)
+        self._finishing = threading.Condition()  # guards _unfinished
         self._mapped: AttachedKV | None = None  # used on the lane only
-        self._lock = threading.Lock()  # guards _stores and _copies (the link's thread adds copies)
 
     # ------------------------------------------------------------------------------ requests
     def new_request(self, req_id: str, params: dict[str, Any] | None) -> None:
@@ -218,11 +219,24 @@ class TierSide:
             if req.answers.get(key) is hold:
                 del req.answers[key]  # asked again later: asked anew
 
+    # ---------------------------------------------------------------------------------- jobs
+    def _begin(self, job_id: int) -> None:
+        self._jobs.add(job_id)
+        with self._finishing:
+            self._unfinished.add(job_id)
+
+    def _finish(self, job_id: int, ok: list[bool], holds: list[_Hold] | None = None) -> None:
+        """Queue the job's result for :meth:`finished_jobs` (exactly once per job, from any thread)."""
+        self._done.put((Finished(job_id, ok), holds or []))
+        with self._finishing:
+            self._unfinished.discard(job_id)
+            self._finishing.notify_all()
+
     # --------------------------------------------------------------------------------- loads
     def submit_load(self, job_id: int, req_id: str, keys: list[bytes], chunks: list[int]) -> None:
         """Copy the held pages of ``keys`` into primary ``chunks``, off this thread."""
         req = self._request(req_id)
-        self._jobs.add(job_id)
+        self._begin(job_id)
         plan: list[tuple[int, int, int]] = []  # (index in the job, page, chunk)
         holds: list[_Hold] = []
         hold_of: _Hold | None = None
@@ -240,9 +254,7 @@ class TierSide:
         for hold in holds:
             hold.loading += 1
         epoch, fence = (hold_of.epoch, hold_of.fence) if hold_of is not None else (None, None)
-        copy = self._lane.submit(self._load, job_id, len(keys), plan, epoch, fence, holds)
-        with self._lock:
-            self._copies.append(copy)
+        self._lane.submit(self._load, job_id, len(keys), plan, epoch, fence, holds)
 
     def _load(self, job_id: int, n: int, plan: list[tuple[int, int, int]], epoch: int | None,
               fence: tuple[int, int] | None, holds: list[_Hold]) -> None:
@@ -264,24 +276,22 @@ class TierSide:
             ok = [False] * n
         if not all(ok):
             self.link.record(lambda r: r.fail("load"))
-        self._done.put((Finished(job_id, ok), holds))
+        self._finish(job_id, ok, holds)
 
     # -------------------------------------------------------------------------------- stores
     def submit_store(self, job_id: int, req_id: str, keys: list[bytes], chunks: list[int]) -> None:
         """Admit ``keys``, copy primary ``chunks`` into the pages the pool lacks, then commit: off this
         thread (the admission's answer starts the copy on the lane)."""
-        self._jobs.add(job_id)
+        self._begin(job_id)
         req = self._requests.get(req_id)
         meta = req.meta if req is not None else self.default_meta
         keys, chunks = keys[: wire.MAX_BLOCKS], chunks[: wire.MAX_BLOCKS]
         if not keys or not self.link.available():
-            self._done.put((Finished(job_id, [False] * len(keys)), []))
+            self._finish(job_id, [False] * len(keys))
             return
         seq_id = f"{self._prefix}-{next(self._ids)}"
         future = self.link.admit(wire.Admit(seq_id, keys, len(keys) * self.page_size,
                                             wire.Meta(**meta) if meta else None))
-        with self._lock:
-            self._stores.append(future)
         future.add_done_callback(lambda f: self._admitted(f, job_id, seq_id, keys, chunks))
 
     def _admitted(self, future: Future, job_id: int, seq_id: str, keys: list[bytes], chunks: list[int]) -> None:
@@ -292,11 +302,9 @@ class TierSide:
             if isinstance(exc, OpFailed):
                 log.warning("kvpool tier: a store's admission failed: %s", exc)
             self.link.record(lambda r: r.fail("save"))
-            self._done.put((Finished(job_id, [False] * len(keys)), []))
+            self._finish(job_id, [False] * len(keys))
             return
-        copy = self._lane.submit(self._store, job_id, seq_id, gen, result, keys, chunks)
-        with self._lock:
-            self._copies.append(copy)
+        self._lane.submit(self._store, job_id, seq_id, gen, result, keys, chunks)
 
     def _store(self, job_id: int, seq_id: str, gen: int, result: wire.Admitted, keys: list[bytes],
                chunks: list[int]) -> None:
@@ -327,7 +335,7 @@ class TierSide:
         else:
             self.link.record(lambda r: r.fail("save"))
         self.link.release(seq_id, gen)
-        self._done.put((Finished(job_id, [written and i < admitted for i in range(len(keys))]), []))
+        self._finish(job_id, [written and i < admitted for i in range(len(keys))])
 
     # ------------------------------------------------------------------------------ the lane
     def _mapping(self, epoch: int) -> AttachedKV | None:
@@ -369,31 +377,21 @@ class TierSide:
                 if hold.loading == 0:
                     owner = next((r for r in self._requests.values() if hold in r.holds), None)
                     self._release(owner or _Request({}), hold)
-        with self._lock:
-            self._copies = [f for f in self._copies if not f.done()]
-            self._stores = [f for f in self._stores if not f.done()]
         return out
 
     def pending(self) -> bool:
         return bool(self._jobs)
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Until every submitted job has finished (a store's admission answers or fails within the link's
-        timeout, then its copy runs)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                waiting = [f for f in self._stores + self._copies if not f.done()]
-            if not waiting:
-                return
-            for f in waiting:
-                try:
-                    f.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    return
+    def drain(self, timeout: float | None = None) -> bool:
+        """Until every submitted job's result is queued for :meth:`finished_jobs` (a store's admission
+        answers or fails within the link's timeout, then its copy runs); False if ``timeout`` passed
+        first."""
+        with self._finishing:
+            return self._finishing.wait_for(lambda: not self._unfinished, timeout)
 
     def close(self) -> None:
-        self.drain(timeout=self.link.timeout + 1)
+        if not self.drain(timeout=self.link.timeout + 1):
+            log.warning("kvpool tier: closing with %d jobs unfinished", len(self._unfinished))
         self._lane.shutdown(wait=True)
         if self._mapped is not None:
             self._mapped.close()
