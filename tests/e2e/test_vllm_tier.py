@@ -330,3 +330,53 @@ def test_reset_cache_waits_for_a_store_whose_admission_was_just_answered(sidecar
     finally:
         go.set()
         one.shutdown()
+
+
+def test_a_job_whose_copy_raises_anything_is_reported_failed_and_vllm_unpins_its_chunks(sidecar, monkeypatch):
+    """A bug in a copy (a TypeError here), or a lane that refuses the copy once the store's admission is
+    answered, still reports the job (failed): vLLM unpins the primary chunks of a cascade and drops the
+    slots of a promotion (the keys are a MISS, recomputed); the store's admission is released."""
+    from kvpool_sidecar.storage.tensors import AttachedKV
+
+    one, two = manager("e1", sidecar), manager("e2", sidecar)
+    try:
+        ks = keys("bug", 2)
+        store(one, "r1", ks, fill=2)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 2 and not one.has_pending_work(),
+                    "never stored")
+
+        def bug(mapped, fence=None):
+            raise TypeError("a bug in a copy")
+
+        monkeypatch.setattr(AttachedKV, "check", bug)  # the fence check of every store slice and load
+        store(one, "r3", keys("bug-store", 2), fill=3)
+        steps_until(one, lambda: not one.has_pending_work(), "the store that raised was never reported")
+
+        tier = two.secondary_tiers[0]
+        ctx = ReqContext("r2")
+        two.on_new_request(ctx)
+        assert [two.lookup(k, ctx) for k in ks] == [LookupResult.RETRY] * 2
+        two.on_schedule_end(END)
+        steps_until(two, lambda: all(tier.side.lookup("r2", k[:-4]) == "hit" for k in ks), "no hit")
+        assert [two.lookup(k, ctx) for k in ks] == [LookupResult.HIT_PENDING] * 2
+        two.on_schedule_end(END)  # -> submit_load, whose copy raises
+        steps_until(two, lambda: not two.has_pending_work(), "the load that raised was never reported")
+        two.lookup(ks[0], ctx)
+        assert [two.primary_tier.lookup(k, ctx) for k in ks] == [LookupResult.MISS] * 2
+        two.on_request_finished(ctx)
+
+        monkeypatch.undo()
+        lane = one.secondary_tiers[0].side._lane
+
+        def refused(*args, **kwargs):
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+        monkeypatch.setattr(lane, "submit", refused)
+        store(one, "r4", keys("bug-lane", 2), fill=4)
+        steps_until(one, lambda: not one.has_pending_work(), "the store whose copy was refused was never reported")
+        steps_until(one, lambda: sidecar.get("/v1/stats")["sequences"] == 0, "the refused store's admission is held")
+        assert sidecar.get("/v1/stats")["cached_pages"] == 2
+    finally:
+        monkeypatch.undo()
+        one.shutdown()
+        two.shutdown()

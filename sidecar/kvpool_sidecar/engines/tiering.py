@@ -29,8 +29,9 @@ its fence stops its copies the moment it ends, its lapsed pages are quarantined)
   the link, in that order: a page is published only after its bytes are written. vLLM keeps the
   primary chunks pinned until the job is reported done.
 
-:meth:`TierSide.drain` returns only once every submitted job's result is queued for
-:meth:`TierSide.finished_jobs` (vLLM's ``reset_cache`` asserts no job is left after it).
+Every job submitted is reported, once, whatever raises on the way (a copy's bug included: the job fails,
+a store's admission is released), and :meth:`TierSide.drain` returns only once every submitted job's
+result is queued for :meth:`TierSide.finished_jobs` (vLLM's ``reset_cache`` asserts no job is left).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from kvpool_sidecar.storage.tensors import SLICE_BYTES, AttachedKV
 
 log = logging.getLogger("kvpool.engine")
 HIT, MISS, RETRY = "hit", "miss", "retry"
+EXPECTED = (StaleHandle, RuntimeError, IndexError, OSError)  # a pool gone or moved, a link down: no bug
 
 
 @dataclass
@@ -235,107 +237,141 @@ class TierSide:
     # --------------------------------------------------------------------------------- loads
     def submit_load(self, job_id: int, req_id: str, keys: list[bytes], chunks: list[int]) -> None:
         """Copy the held pages of ``keys`` into primary ``chunks``, off this thread."""
-        req = self._request(req_id)
         self._begin(job_id)
-        plan: list[tuple[int, int, int]] = []  # (index in the job, page, chunk)
-        holds: list[_Hold] = []
-        hold_of: _Hold | None = None
-        for i, (key, chunk) in enumerate(zip(keys, chunks, strict=True)):
-            hold = req.answers.get(key)
-            if hold is None or hold.future is not None or not hold.live or key not in hold.pages \
-                    or hold.generation != self.link.generation:
-                continue
-            if hold_of is not None and (hold.epoch, hold.fence) != (hold_of.epoch, hold_of.fence):
-                continue  # a second session's hold (a reconnect between lookups): recomputed
-            hold_of = hold
-            plan.append((i, hold.pages[key], chunk))
-            if hold not in holds:
-                holds.append(hold)
+        n = len(keys)
+        try:
+            req = self._request(req_id)
+            plan: list[tuple[int, int, int]] = []  # (index in the job, page, chunk)
+            holds: list[_Hold] = []
+            hold_of: _Hold | None = None
+            for i, (key, chunk) in enumerate(zip(keys, chunks, strict=True)):
+                hold = req.answers.get(key)
+                if hold is None or hold.future is not None or not hold.live or key not in hold.pages \
+                        or hold.generation != self.link.generation:
+                    continue
+                if hold_of is not None and (hold.epoch, hold.fence) != (hold_of.epoch, hold_of.fence):
+                    continue  # a second session's hold (a reconnect between lookups): recomputed
+                hold_of = hold
+                plan.append((i, hold.pages[key], chunk))
+                if hold not in holds:
+                    holds.append(hold)
+            epoch, fence = (hold_of.epoch, hold_of.fence) if hold_of is not None else (None, None)
+            self._lane.submit(self._load, job_id, n, plan, epoch, fence, holds)
+        except Exception:
+            log.exception("kvpool tier: a load of %d chunks could not start: vLLM recomputes them", n)
+            self.link.record(lambda r: r.fail("load"))
+            self._finish(job_id, [False] * n)
+            return
         for hold in holds:
             hold.loading += 1
-        epoch, fence = (hold_of.epoch, hold_of.fence) if hold_of is not None else (None, None)
-        self._lane.submit(self._load, job_id, len(keys), plan, epoch, fence, holds)
 
     def _load(self, job_id: int, n: int, plan: list[tuple[int, int, int]], epoch: int | None,
               fence: tuple[int, int] | None, holds: list[_Hold]) -> None:
+        """On the lane: the copy, then the fence checked (nothing read was handed on meanwhile)."""
         ok = [False] * n
         try:
-            if plan and epoch is not None:
-                mapped = self._mapping(epoch)
-                if mapped is not None:
-                    pages = torch.tensor([p for _, p, _ in plan], dtype=torch.int64)
-                    chunks = torch.tensor([c for _, _, c in plan], dtype=torch.int64)
-                    self.primary.index_copy_(0, chunks, _rows(mapped).index_select(0, pages))
-                    mapped.check(fence)  # nothing read was handed on meanwhile
-                    for i, _, _ in plan:
-                        ok[i] = True
-                    moved = Report(loaded_tokens=len(plan) * self.page_size)
-                    self.link.record(lambda r: r.merge(moved))
-        except (StaleHandle, RuntimeError, IndexError, OSError) as exc:
-            log.warning("kvpool tier: loading %d chunks failed (%s): vLLM recomputes them", len(plan), exc)
+            mapped = self._mapping(epoch) if plan and epoch is not None else None
+            if mapped is not None:
+                pages = torch.tensor([p for _, p, _ in plan], dtype=torch.int64)
+                chunks = torch.tensor([c for _, _, c in plan], dtype=torch.int64)
+                self.primary.index_copy_(0, chunks, _rows(mapped).index_select(0, pages))
+                mapped.check(fence)
+                for i, _, _ in plan:
+                    ok[i] = True
+                moved = Report(loaded_tokens=len(plan) * self.page_size)
+                self.link.record(lambda r: r.merge(moved))
+        except Exception as exc:  # whatever raised, the job is reported: vLLM recomputes what failed
+            _failed(exc, "loading %d chunks failed: vLLM recomputes them", len(plan))
             ok = [False] * n
-        if not all(ok):
-            self.link.record(lambda r: r.fail("load"))
-        self._finish(job_id, ok, holds)
+        finally:
+            if not all(ok):
+                self.link.record(lambda r: r.fail("load"))
+            self._finish(job_id, ok, holds)
 
     # -------------------------------------------------------------------------------- stores
     def submit_store(self, job_id: int, req_id: str, keys: list[bytes], chunks: list[int]) -> None:
         """Admit ``keys``, copy primary ``chunks`` into the pages the pool lacks, then commit: off this
         thread (the admission's answer starts the copy on the lane)."""
         self._begin(job_id)
-        req = self._requests.get(req_id)
-        meta = req.meta if req is not None else self.default_meta
-        keys, chunks = keys[: wire.MAX_BLOCKS], chunks[: wire.MAX_BLOCKS]
-        if not keys or not self.link.available():
-            self._finish(job_id, [False] * len(keys))
+        n = len(keys)
+        try:
+            req = self._requests.get(req_id)
+            meta = req.meta if req is not None else self.default_meta
+            keys, chunks = keys[: wire.MAX_BLOCKS], chunks[: wire.MAX_BLOCKS]
+            if not keys or not self.link.available():
+                self._finish(job_id, [False] * n)
+                return
+            seq_id = f"{self._prefix}-{next(self._ids)}"
+            future = self.link.admit(wire.Admit(seq_id, keys, len(keys) * self.page_size,
+                                                wire.Meta(**meta) if meta else None))
+        except Exception:
+            log.exception("kvpool tier: a store of %d chunks could not start", n)
+            self.link.record(lambda r: r.fail("save"))
+            self._finish(job_id, [False] * n)
             return
-        seq_id = f"{self._prefix}-{next(self._ids)}"
-        future = self.link.admit(wire.Admit(seq_id, keys, len(keys) * self.page_size,
-                                            wire.Meta(**meta) if meta else None))
-        future.add_done_callback(lambda f: self._admitted(f, job_id, seq_id, keys, chunks))
+        future.add_done_callback(lambda f: self._admitted(f, job_id, n, seq_id, keys, chunks))
 
-    def _admitted(self, future: Future, job_id: int, seq_id: str, keys: list[bytes], chunks: list[int]) -> None:
-        """On the link's thread: the store's admission answered."""
+    def _admitted(self, future: Future, job_id: int, n: int, seq_id: str, keys: list[bytes],
+                  chunks: list[int]) -> None:
+        """On the link's thread: the store's admission answered; its copy goes to the lane."""
         try:
             gen, result = future.result()
         except Exception as exc:
             if isinstance(exc, OpFailed):
                 log.warning("kvpool tier: a store's admission failed: %s", exc)
             self.link.record(lambda r: r.fail("save"))
-            self._finish(job_id, [False] * len(keys))
+            self._finish(job_id, [False] * n)
             return
-        self._lane.submit(self._store, job_id, seq_id, gen, result, keys, chunks)
-
-    def _store(self, job_id: int, seq_id: str, gen: int, result: wire.Admitted, keys: list[bytes],
-               chunks: list[int]) -> None:
-        hits = result.cached_tokens // self.page_size
-        fresh = result.page_ids[hits:]
-        admitted = len(result.page_ids)  # fewer than asked under pressure: the rest is not stored
-        written = False
         try:
-            mapped = self._mapping(result.epoch) if result.epoch is not None else None
-            if mapped is not None and gen == self.link.generation:
-                src = chunks[hits:admitted]
-                per = max(1, SLICE_BYTES // self.page_bytes)
-                for at in range(0, len(fresh), per):  # each slice under the session's lock, checked first
-                    pages = torch.tensor(fresh[at : at + per], dtype=torch.int64)
-                    rows = self.primary.index_select(0, torch.tensor(src[at : at + per], dtype=torch.int64))
-                    with mapped.writing(result.fence):
-                        _rows(mapped).index_copy_(0, pages, rows)
-                mapped.check(result.fence)
-                written = True
-        except (StaleHandle, RuntimeError, IndexError, OSError) as exc:
-            log.warning("kvpool tier: storing %d chunks failed (%s)", len(fresh), exc)
-        if written:  # committed after the bytes, before the release; announced once published
-            events = self.link.events
-            announce = None if events is None else (lambda total: events.held(keys, total, None))
-            self.link.commit(seq_id, admitted * self.page_size, gen, announce)
-            moved = Report(saved_tokens=len(fresh) * self.page_size)
-            self.link.record(lambda r: r.merge(moved))
-        else:
+            self._lane.submit(self._store, job_id, n, seq_id, gen, result, keys, chunks)
+        except Exception as exc:  # a lane shut down: the admission goes back, the job fails
+            _failed(exc, "storing %d chunks could not start", len(keys))
             self.link.record(lambda r: r.fail("save"))
-        self.link.release(seq_id, gen)
-        self._finish(job_id, [written and i < admitted for i in range(len(keys))])
+            self.link.release(seq_id, gen)
+            self._finish(job_id, [False] * n)
+
+    def _store(self, job_id: int, n: int, seq_id: str, gen: int, result: wire.Admitted, keys: list[bytes],
+               chunks: list[int]) -> None:
+        """On the lane: the fresh pages written in slices of at most ``SLICE_BYTES``, each under the
+        session's lock with the fence checked first, then committed (published) and released, in that
+        order; whatever raises, the admission is released and the job reported."""
+        ok = [False] * n
+        try:
+            hits = result.cached_tokens // self.page_size
+            admitted = len(result.page_ids)  # fewer than asked under pressure: the rest is not stored
+            fresh = result.page_ids[hits:]
+            written = False
+            try:
+                mapped = self._mapping(result.epoch) if result.epoch is not None else None
+                if mapped is not None and gen == self.link.generation:
+                    src = chunks[hits:admitted]
+                    per = max(1, SLICE_BYTES // self.page_bytes)
+                    for at in range(0, len(fresh), per):
+                        pages = torch.tensor(fresh[at : at + per], dtype=torch.int64)
+                        rows = self.primary.index_select(0, torch.tensor(src[at : at + per], dtype=torch.int64))
+                        with mapped.writing(result.fence):
+                            _rows(mapped).index_copy_(0, pages, rows)
+                    mapped.check(result.fence)
+                    written = True
+            except Exception as exc:
+                _failed(exc, "storing %d chunks failed", len(fresh))
+            if written:  # committed after the bytes, before the release; announced once published
+                events = self.link.events
+                announce = None if events is None else (lambda total: events.held(keys, total, None))
+                self.link.commit(seq_id, admitted * self.page_size, gen, announce)
+                moved = Report(saved_tokens=len(fresh) * self.page_size)
+                self.link.record(lambda r: r.merge(moved))
+                ok = [i < admitted for i in range(n)]
+            else:
+                self.link.record(lambda r: r.fail("save"))
+        except Exception as exc:
+            _failed(exc, "storing %d chunks failed", len(keys))
+            ok = [False] * n
+        finally:
+            try:
+                self.link.release(seq_id, gen)
+            finally:
+                self._finish(job_id, ok)
 
     # ------------------------------------------------------------------------------ the lane
     def _mapping(self, epoch: int) -> AttachedKV | None:
@@ -398,6 +434,15 @@ class TierSide:
             self._mapped = None
         self.primary = torch.empty((0, self.page_bytes), dtype=torch.uint8)  # vLLM unmaps its region next
         self.link.close()
+
+
+def _failed(exc: BaseException, what: str, n: int) -> None:
+    """Log a copy that failed: a warning when the pool moved or the link went (expected), with the
+    traceback for anything else (a bug, still reported as a failed job)."""
+    if isinstance(exc, EXPECTED):
+        log.warning("kvpool tier: " + what + " (%s)", n, exc)
+    else:
+        log.exception("kvpool tier: " + what + " (unexpected)", n)
 
 
 def _rows(mapped: AttachedKV) -> torch.Tensor:
