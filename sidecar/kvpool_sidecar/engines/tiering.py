@@ -59,10 +59,11 @@ HIT, MISS, RETRY = "hit", "miss", "retry"
 EXPECTED = (StaleHandle, RuntimeError, IndexError, OSError)  # a pool gone or moved, a link down: no bug
 
 
-@dataclass
+@dataclass(eq=False)
 class _Hold:
     """One hold-only admission of a request's lookups."""
 
+    req_id: str
     seq_id: str
     keys: list[bytes]
     sent_at: float
@@ -75,11 +76,11 @@ class _Hold:
     live: bool = True  # not released
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     meta: dict[str, Any]
     answers: dict[bytes, _Hold | None] = field(default_factory=dict)  # asked key -> its hold (None: a miss)
-    batch: list[bytes] = field(default_factory=list)  # keys asked this step, sent at its end
+    batch: dict[bytes, None] = field(default_factory=dict)  # keys asked this step, in order, sent at its end
     holds: list[_Hold] = field(default_factory=list)
 
 
@@ -150,8 +151,7 @@ class TierSide:
             if hold is None:
                 return MISS
             return HIT if hold.live and key in hold.pages and hold.generation == self.link.generation else MISS
-        if key not in req.batch:
-            req.batch.append(key)
+        req.batch[key] = None  # a dict: a long prompt's first scan stays linear
         return RETRY
 
     def _settle(self, req: _Request, hold: _Hold) -> bool:
@@ -189,11 +189,12 @@ class TierSide:
 
     def flush(self) -> None:
         """The step's end: one hold-only admission per request that asked about new keys."""
-        for req in self._requests.values():
+        for req_id, req in self._requests.items():
             if not req.batch:
                 continue
-            keys, req.batch = req.batch[: wire.MAX_BLOCKS], []
-            hold = _Hold(f"{self._prefix}-{next(self._ids)}", keys, self.clock())
+            keys = list(itertools.islice(req.batch, wire.MAX_BLOCKS))
+            req.batch = {}
+            hold = _Hold(req_id, f"{self._prefix}-{next(self._ids)}", keys, self.clock())
             if self.link.available():
                 meta = req.meta
                 hold.future = self.link.admit(wire.Admit(hold.seq_id, keys, len(keys) * self.page_size,
@@ -253,7 +254,7 @@ class TierSide:
                     continue  # a second session's hold (a reconnect between lookups): recomputed
                 hold_of = hold
                 plan.append((i, hold.pages[key], chunk))
-                if hold not in holds:
+                if not any(h is hold for h in holds):
                     holds.append(hold)
             epoch, fence = (hold_of.epoch, hold_of.fence) if hold_of is not None else (None, None)
             self._lane.submit(self._load, job_id, n, plan, epoch, fence, holds)
@@ -411,8 +412,7 @@ class TierSide:
             for hold in holds:
                 hold.loading -= 1
                 if hold.loading == 0:
-                    owner = next((r for r in self._requests.values() if hold in r.holds), None)
-                    self._release(owner or _Request({}), hold)
+                    self._release(self._requests.get(hold.req_id) or _Request({}), hold)
         return out
 
     def pending(self) -> bool:
