@@ -6,12 +6,14 @@ the primary region (what vLLM's DMA does) and reads them back after a promotion.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -52,26 +54,44 @@ def shipped_tier() -> tuple[dict, dict]:
 REGIONS: list[Path] = []  # vLLM's primary regions the tests made (its scheduler side leaves the file)
 
 
-def manager(engine_id: str, sidecar: SidecarProcess, events: bool = False, **tier_changes):
+class Layout(NamedTuple):
+    """How vLLM offloads the model's KV: the offloaded group's block (tokens), the hashing's granularity
+    (tokens), blocks per chunk, the group's id in vLLM's KV cache config, and how many groups it offloads."""
+
+    tokens_per_block: int
+    tokens_per_hash: int
+    blocks_per_chunk: int = 1
+    group_id: int = 0
+    groups: int = 1
+
+
+def manager(engine_id: str, sidecar: SidecarProcess, events: bool = False, layout: Layout | None = None,
+            **tier_changes):
     """vLLM's tiering manager for one engine: the shipped config, pointed at this test's sidecar (no token
-    file: the sidecar serves its own user), with a 64-chunk primary tier."""
+    file: the sidecar serves its own user), with a 64-chunk primary tier; a chunk is 16 tokens (a page)
+    whatever ``layout`` says."""
     engine_id = f"kvpool-test-{os.getpid()}-{engine_id}"
     REGIONS.append(Path(f"/dev/shm/vllm_offload_{engine_id}.mmap"))
     extra, tier = shipped_tier()
     tier = {k: v for k, v in tier.items() if k != "token_file"} | {"socket": sidecar.socket, **tier_changes}
     extra = extra | {"cpu_bytes_to_use": 64 * 4096, "secondary_tiers": [tier]}
     ps = extra["block_size"]
+    layout = layout or Layout(ps, ps)
+    assert layout.tokens_per_block * layout.blocks_per_chunk == ps
+    layers = tuple(f"layer.{i}" for i in range(LAYERS))
     config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(ps, tuple(f"layer.{i}" for i in range(LAYERS)), 0),),
-        worker_kv_bytes_per_block=CHUNK, enable_kv_cache_events=events, extra_config=extra, engine_id=engine_id,
-        model=OffloadingModelConfig("org/tiny", "float16"), cache=OffloadingCacheConfig(ps, 1),
+        groups=tuple(OffloadingGroupConfig(layout.tokens_per_block, layers, layout.group_id + g)
+                     for g in range(layout.groups)),
+        worker_kv_bytes_per_block=CHUNK // layout.blocks_per_chunk, enable_kv_cache_events=events,
+        extra_config=extra, engine_id=engine_id, model=OffloadingModelConfig("org/tiny", "float16"),
+        cache=OffloadingCacheConfig(layout.tokens_per_hash, layout.blocks_per_chunk),
         parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
     spec = TieringOffloadingSpec(config)
     return spec.get_manager()
 
 
-def keys(tag: str, n: int) -> list[bytes]:
-    return [make_offload_key(f"{tag}-{i}".encode().ljust(32, b"."), 0) for i in range(n)]
+def keys(tag: str, n: int, group: int = 0) -> list[bytes]:
+    return [make_offload_key(f"{tag}-{i}".encode().ljust(32, b"."), group) for i in range(n)]
 
 
 def primary(m) -> np.ndarray:
@@ -380,3 +400,56 @@ def test_a_job_whose_copy_raises_anything_is_reported_failed_and_vllm_unpins_its
         monkeypatch.undo()
         one.shutdown()
         two.shutdown()
+
+
+def test_events_expect_the_tiers_removals_as_vllms_own_removing_tiers_do(sidecar):
+    """kvpool announces its removals, so its stored events say so (``removal_expected``, as vLLM's kvcr
+    tier's): vLLM's event tracker then keeps a chunk's payload after vLLM's primary tier evicts it, and
+    kvpool's later removal names every block hash of the chunk (a chunk of two 8-token blocks here), not
+    a placeholder of its key's hash alone, which would leave the first block in a router's index."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import BlockRemoved
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventGroupSpec,
+        OffloadingEventsTracker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import GroupOffloadConfig
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    one = manager("e1", sidecar, events=True, layout=Layout(8, 8, blocks_per_chunk=2))
+    try:
+        tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(True, True))
+        group = GroupOffloadConfig(0, 8, 16, 2, OffloadingEventGroupSpec("full_attention", None), None, None, None)
+        first, last = hashlib.sha256(b"block 0").digest(), hashlib.sha256(b"block 1").digest()
+        request = SimpleNamespace(block_hashes=[first, last], all_token_ids=list(range(16)), lora_request=None)
+        key = make_offload_key(last, 0)
+        tracker.record_store(request, group, 0, key)  # what vLLM's scheduler records before it stores
+        published: list = []
+
+        def drain() -> list:
+            published.extend(tracker.take_events(one.take_events()))
+            return published
+
+        store(one, "r1", [key], fill=1)
+        steps_until(one, lambda: any(e.ownership == "KVPoolTier" for e in drain()), "never announced")
+        store(one, "r2", keys("filler", 40), fill=2)  # both tiers (64 chunks, 64 pages) fill up
+        steps_until(one, lambda: not one.has_pending_work(), "the stores were never reported")
+        ctx = ReqContext("r3")
+        one.on_new_request(ctx)
+        out = one.prepare_store(keys("more", 40), ctx)  # evicts the chunk from vLLM's primary tier ...
+        assert any(isinstance(e, BlockRemoved) and e.ownership is None for e in drain())
+        one.complete_store(out.keys_to_store, ctx)  # ... and their cascade evicts it from kvpool
+        one.on_request_finished(ctx)
+        ours = [maybe_convert_block_hash(h) for h in (first, last)]  # as vLLM's events name them
+
+        def removed() -> list:
+            return [e for e in drain() if isinstance(e, BlockRemoved) and e.ownership == "KVPoolTier"
+                    and ours[-1] in e.block_hashes]
+
+        steps_until(one, removed, "kvpool never removed the chunk")
+        [event] = removed()
+        assert ours[0] in event.block_hashes  # the chunk's first block too
+    finally:
+        one.shutdown()

@@ -173,7 +173,10 @@ class KVPoolTier(SecondaryTierManager):
         out = []
         for event in events.take():
             keys = [make_offload_key(h, 0) for h in event.hashes]
-            out.append(OffloadingEvent(keys, Medium.CPU, isinstance(event, Removed), ownership=self.tier_type))
+            # Every page announced here is announced again when it leaves the pool: vLLM's event tracker
+            # keeps a chunk's payload until then (removal_expected, as vLLM's kvcr tier says it).
+            out.append(OffloadingEvent(keys, Medium.CPU, isinstance(event, Removed), ownership=self.tier_type,
+                                       removal_expected=True))
         return out
 
     @override
