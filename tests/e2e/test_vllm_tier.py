@@ -453,3 +453,27 @@ def test_events_expect_the_tiers_removals_as_vllms_own_removing_tiers_do(sidecar
         assert ours[0] in event.block_hashes  # the chunk's first block too
     finally:
         one.shutdown()
+
+
+def test_a_chunk_of_the_offloaded_groups_own_block_size_and_id_round_trips(sidecar):
+    """The offloaded group is vLLM's KV cache group 1, with 16-token blocks hashed every 8 tokens (a
+    hybrid model's hash granularity): a chunk is one 16-token block (a page) and its keys carry group 1.
+    Two offloaded groups are refused, naming how many."""
+    from kvpool_sidecar.engines.blocks import LayoutError
+
+    layout = Layout(16, 8, group_id=1)
+    one, two = manager("e1", sidecar, layout=layout), manager("e2", sidecar, layout=layout)
+    try:
+        ks = keys("group", 3, group=1)
+        store(one, "r1", ks, fill=11)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 3, "never stored")
+        ctx = ReqContext("r2")
+        two.on_new_request(ctx)
+        assert lookups(two, ctx, ks) == [LookupResult.HIT] * 3
+        assert loaded_bytes(two, ctx, ks) == [11, 12, 13]
+        two.on_request_finished(ctx)
+    finally:
+        one.shutdown()
+        two.shutdown()
+    with pytest.raises(LayoutError, match="offloading has 2"):
+        manager("e3", sidecar, layout=Layout(16, 16, groups=2))

@@ -13,8 +13,9 @@ tier and promotes it back (:mod:`.tiering`, the logic). Load it in ``TieringOffl
 Besides ``type`` and ``module_path`` the entry takes the connector's channel settings (``socket``,
 ``token``/``token_file``, ``lookup_wait_ms``, ``timeout_s``, ``defaults``, ``trust_request_params``;
 :class:`~.settings.TierSettings`); a bad one refuses to start, naming ``secondary_tiers.<field>``. The
-sidecar's ``pageSize`` must be the offloaded ``block_size`` (tokens per chunk) and its ``--kv-shape`` the
-model's (kv_heads of all ranks together): a page then holds one chunk, every worker's share of it.
+sidecar's ``pageSize`` must be the offloaded chunk's tokens (the offloaded group's block size times
+vLLM's blocks per chunk: ``block_size`` in vLLM's config) and its ``--kv-shape`` the model's (kv_heads of
+all ranks together): a page then holds one chunk, every worker's share of it.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
     get_offload_block_hash,
-    get_offload_group_idx,
     make_offload_key,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
@@ -77,7 +77,9 @@ class KVPoolTier(SecondaryTierManager):
         if len(config.groups) != 1:
             raise LayoutError(f"KVPoolTier stores one KV cache group; this model's offloading has "
                               f"{len(config.groups)} (a hybrid model: use another secondary tier)")
-        self.page_size = config.cache.tokens_per_hash * config.cache.blocks_per_chunk  # tokens a chunk holds
+        [group] = config.groups
+        self.group_id = group.group_id  # vLLM's keys carry it (its KV cache config's index of the group)
+        self.page_size = group.tokens_per_block * config.cache.blocks_per_chunk  # tokens a chunk holds
         copies = 1 if getattr(offloading_spec, "replicated_layout", False) else config.parallel.world_size
         self.page_bytes = offloading_spec.cpu_page_size_per_worker * copies  # a chunk without its padding
         engine = get_current_vllm_config_or_none()
@@ -100,10 +102,11 @@ class KVPoolTier(SecondaryTierManager):
                              default_meta=settings.defaults.model_dump(),
                              trust_request_params=settings.trust_request_params)
         self._jobs: dict[int, list[OffloadKey]] = {}
-        # Pins by token ids need the engine's block hashing in the hello; a chunk of one block is keyed as
-        # vLLM keys that block, so the sidecar can name the pages from token ids. Learnt once the engine
-        # core has seeded its hashes (after this tier is built), before the link first connects.
-        self._hashing_pending = config.cache.blocks_per_chunk == 1
+        # Pins by token ids need the engine's block hashing in the hello; a chunk hashed once (one hash per
+        # chunk) is keyed as vLLM keys that hash's tokens, so the sidecar can name the pages from token ids.
+        # Learnt once the engine core has seeded its hashes (after this tier is built), before the link
+        # first connects.
+        self._hashing_pending = config.cache.tokens_per_hash == self.page_size
 
     def _check_pool(self, welcome: Any) -> None:
         """Refuse a sidecar whose pages cannot hold vLLM's chunks (naming both); only warn about one that
@@ -129,7 +132,7 @@ class KVPoolTier(SecondaryTierManager):
 
     @staticmethod
     def _hash(key: OffloadKey) -> bytes:
-        assert get_offload_group_idx(key) == 0
+        """The block hash of a key of the one group this tier stores (vLLM asks about no other)."""
         return bytes(get_offload_block_hash(key))
 
     @override
@@ -172,7 +175,7 @@ class KVPoolTier(SecondaryTierManager):
             return ()
         out = []
         for event in events.take():
-            keys = [make_offload_key(h, 0) for h in event.hashes]
+            keys = [make_offload_key(h, self.group_id) for h in event.hashes]
             # Every page announced here is announced again when it leaves the pool: vLLM's event tracker
             # keeps a chunk's payload until then (removal_expected, as vLLM's kvcr tier says it).
             out.append(OffloadingEvent(keys, Medium.CPU, isinstance(event, Removed), ownership=self.tier_type,
