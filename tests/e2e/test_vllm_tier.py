@@ -477,3 +477,37 @@ def test_a_chunk_of_the_offloaded_groups_own_block_size_and_id_round_trips(sidec
         two.shutdown()
     with pytest.raises(LayoutError, match="offloading has 2"):
         manager("e3", sidecar, layout=Layout(16, 16, groups=2))
+
+
+def test_vllms_own_tier_keys_are_accepted_and_kvpools_typos_refused(sidecar):
+    """``locality`` (vLLM reads it from every secondary_tiers entry and passes it on) is the tier's: vLLM's
+    per-request tier filter honours it and its events carry it. A typo of kvpool's own field is refused,
+    naming it."""
+    from kvpool_sidecar.engines.settings import ConnectorConfigError
+    from vllm.v1.kv_offload.base import Locality, TierFilter, TierMatcher
+
+    one = manager("e1", sidecar, events=True, locality="LOCAL")
+    two = manager("e2", sidecar, locality="LOCAL")
+    try:
+        assert one.secondary_tiers[0].locality is Locality.LOCAL
+        ks = keys("local", 2)
+        store(one, "r1", ks, fill=1)
+        seen: list = []
+        steps_until(one, lambda: seen.extend(e for e in one.take_events() if e.ownership == "KVPoolTier")
+                    or seen, "no event from the tier")
+        assert all(e.locality is Locality.LOCAL for e in seen)
+        remote_only = ReqContext("r2", load_tier_filter=TierFilter((TierMatcher(locality=Locality.REMOTE),)))
+        two.on_new_request(remote_only)
+        assert two.lookup(ks[0], remote_only) is LookupResult.MISS  # kvpool, a local tier, is not asked
+        two.on_request_finished(remote_only)
+        anywhere = ReqContext("r3")
+        two.on_new_request(anywhere)
+        assert two.lookup(ks[0], anywhere) is LookupResult.RETRY  # kvpool is asked
+        two.on_request_finished(anywhere)
+    finally:
+        one.shutdown()
+        two.shutdown()
+    with pytest.raises(ConnectorConfigError, match=r"secondary_tiers\[KVPoolTier\]\.sockte"):
+        manager("e2", sidecar, sockte="/tmp/x.sock")
+    with pytest.raises(ConnectorConfigError, match=r"secondary_tiers\[KVPoolTier\]\.locality"):
+        manager("e3", sidecar, locality="NEARBY")

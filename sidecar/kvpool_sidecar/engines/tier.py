@@ -10,9 +10,10 @@ tier and promotes it back (:mod:`.tiering`, the logic). Load it in ``TieringOffl
             "secondary_tiers": [{"type": "KVPoolTier", "module_path": "kvpool_sidecar.engines.tier",
                                  "socket": "/tmp/kvpool/engine.sock", "token_file": "/var/run/kvpool/token"}]}}'
 
-Besides ``type`` and ``module_path`` the entry takes the connector's channel settings (``socket``,
-``token``/``token_file``, ``lookup_wait_ms``, ``timeout_s``, ``defaults``, ``trust_request_params``;
-:class:`~.settings.TierSettings`); a bad one refuses to start, naming ``secondary_tiers.<field>``. The
+Besides the keys vLLM reads itself (``type``, ``module_path``, ``backpressure``) the entry takes the
+connector's channel settings (``socket``, ``token``/``token_file``, ``lookup_wait_ms``, ``timeout_s``,
+``defaults``, ``trust_request_params``) and vLLM's ``locality``, which vLLM passes every tier
+(:class:`~.settings.TierSettings`); a bad one refuses to start, naming ``secondary_tiers.<field>``. The
 sidecar's ``pageSize`` must be the offloaded chunk's tokens (the offloaded group's block size times
 vLLM's blocks per chunk: ``block_size`` in vLLM's config) and its ``--kv-shape`` the model's (kv_heads of
 all ranks together): a page then holds one chunk, every worker's share of it.
@@ -34,6 +35,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens, resolve_none_hash_seed
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -73,6 +75,7 @@ class KVPoolTier(SecondaryTierManager):
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
         settings = parse_tier_settings(params, WHERE)
+        self.locality = None if settings.locality is None else Locality(settings.locality)
         config = offloading_spec.config
         if len(config.groups) != 1:
             raise LayoutError(f"KVPoolTier stores one KV cache group; this model's offloading has "
@@ -178,8 +181,8 @@ class KVPoolTier(SecondaryTierManager):
             keys = [make_offload_key(h, self.group_id) for h in event.hashes]
             # Every page announced here is announced again when it leaves the pool: vLLM's event tracker
             # keeps a chunk's payload until then (removal_expected, as vLLM's kvcr tier says it).
-            out.append(OffloadingEvent(keys, Medium.CPU, isinstance(event, Removed), ownership=self.tier_type,
-                                       removal_expected=True))
+            out.append(OffloadingEvent(keys, Medium.CPU, isinstance(event, Removed), locality=self.locality,
+                                       ownership=self.tier_type, removal_expected=True))
         return out
 
     @override
