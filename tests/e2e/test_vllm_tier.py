@@ -511,3 +511,30 @@ def test_vllms_own_tier_keys_are_accepted_and_kvpools_typos_refused(sidecar):
         manager("e2", sidecar, sockte="/tmp/x.sock")
     with pytest.raises(ConnectorConfigError, match=r"secondary_tiers\[KVPoolTier\]\.locality"):
         manager("e3", sidecar, locality="NEARBY")
+
+
+def test_a_hold_no_load_will_use_is_released_once_its_request_is_scheduled(sidecar):
+    """Two requests of one engine ask kvpool about the same prefix in the same step: one hold each. The
+    first promotes the chunks; the second then finds them in vLLM's primary tier and never asks kvpool
+    again. Once vLLM schedules both, neither hold pins the pool's pages (not only when they finish)."""
+    one, two = manager("e1", sidecar), manager("e2", sidecar)
+    try:
+        ks = keys("shared", 3)
+        store(one, "r1", ks, fill=1)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 3, "never stored")
+        a, b = ReqContext("a"), ReqContext("b")
+        two.on_new_request(a)
+        two.on_new_request(b)
+        assert [two.lookup(k, a) for k in ks] == [LookupResult.RETRY] * 3
+        assert [two.lookup(k, b) for k in ks] == [LookupResult.RETRY] * 3
+        two.on_schedule_end(END)
+        steps_until(two, lambda: sidecar.get("/v1/stats")["sequences"] == 2, "the holds were never made")
+        assert lookups(two, a, ks) == [LookupResult.HIT] * 3  # promoted for a
+        assert lookups(two, b, ks) == [LookupResult.HIT] * 3  # vLLM's primary tier: kvpool not asked
+        two.on_schedule_end(ScheduleEndContext(["a", "b"], []))  # both scheduled, still running
+        steps_until(two, lambda: sidecar.get("/v1/stats")["sequences"] == 0, "an unused hold stays pinned")
+        two.on_request_finished(a)
+        two.on_request_finished(b)
+    finally:
+        one.shutdown()
+        two.shutdown()

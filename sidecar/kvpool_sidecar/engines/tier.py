@@ -200,8 +200,11 @@ class KVPoolTier(SecondaryTierManager):
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """After vLLM's manager submitted this step's promotions: the holds of the requests it scheduled
+        that no load reads go, then this step's lookups are sent."""
         if self._hashing_pending:
             self._learn_hashing()
+        self.side.scheduled(context.new_req_ids)
         self.side.flush()
 
     def _learn_hashing(self) -> None:

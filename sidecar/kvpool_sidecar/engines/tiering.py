@@ -20,9 +20,12 @@ its fence stops its copies the moment it ends, its lapsed pages are quarantined)
   answer is in; an answer not in ``lookup_wait`` after it was sent is a MISS (the request is served
   without the tier, and the hold is released when the answer comes). The scheduler never waits on the
   sidecar: vLLM scans a request's keys past a RETRY, so a step's lookups cost one round trip in all.
+  A hold goes once vLLM has scheduled its request (its lookups are over then) and no load reads it,
+  or, for one a load reads, once that load is reported: a key held but never loaded pins nothing for
+  the request's whole life.
 * loads (promotions): the held pages are copied into the primary chunks vLLM allocated, the session's
   fence checked after the read; a key whose page is not held by this request's lookup (or whose hold
-  lapsed) fails alone and vLLM recomputes it. The hold is released once its load job is reported.
+  lapsed) fails alone and vLLM recomputes it.
 * stores (cascades): one admission per job (pages for what the pool lacks), the primary chunks copied
   into the fresh pages in slices of at most ``SLICE_BYTES``, each under the session's lock with the
   fence checked first (:meth:`AttachedKV.writing`), then committed and released on
@@ -41,7 +44,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,7 +84,7 @@ class _Request:
     meta: dict[str, Any]
     answers: dict[bytes, _Hold | None] = field(default_factory=dict)  # asked key -> its hold (None: a miss)
     batch: dict[bytes, None] = field(default_factory=dict)  # keys asked this step, in order, sent at its end
-    holds: list[_Hold] = field(default_factory=list)
+    holds: list[_Hold] = field(default_factory=list)  # not released
 
 
 @dataclass
@@ -130,12 +133,27 @@ class TierSide:
             req = self._requests[req_id]
         return req
 
+    def scheduled(self, req_ids: Iterable[str]) -> None:
+        """vLLM scheduled these requests: their lookups are over (a request is scheduled only once every
+        key it found is loaded, and asks again only after a preemption), and the loads they started were
+        submitted before this call. Their holds that no load is reading go now (the rest once their loads
+        are reported): a key held but never loaded (vLLM's primary tier had it by then, or could not take
+        the promotion) does not pin the pool's page for the request's whole life."""
+        for req_id in req_ids:
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            req.batch = {}
+            for hold in list(req.holds):
+                if hold.loading == 0:
+                    self._release(req, hold)
+
     def finished(self, req_id: str) -> None:
         """No call for this request follows; its holds go once no load of theirs is in flight."""
         req = self._requests.pop(req_id, None)
         if req is None:
             return
-        for hold in req.holds:
+        for hold in list(req.holds):
             if hold.loading == 0:
                 self._release(req, hold)
 
@@ -161,7 +179,7 @@ class TierSide:
         if not hold.future.done():
             if self.clock() - hold.sent_at < self.lookup_wait:
                 return False
-            self._give_up(hold)  # served without the tier; released when the answer comes
+            self._release(req, hold)  # served without the tier; released when the answer comes
             self.link.record(lambda r: r.fail("lookup"))
             for key in hold.keys:
                 req.answers[key] = None
@@ -174,13 +192,16 @@ class TierSide:
                 log.warning("kvpool tier: a lookup failed: %s", exc)
             self.link.record(lambda r: r.fail("lookup"))
             hold.live = False
+            req.holds.remove(hold)
             for key in hold.keys:
                 req.answers[key] = None
             return True
         hold.generation, hold.epoch, hold.fence = gen, result.epoch, result.fence
         hits = result.cached_tokens // self.page_size
         hold.pages = dict(zip(hold.keys[:hits], result.page_ids[:hits], strict=True))
-        hold.live = bool(result.page_ids)  # nothing cached: no sequence was made
+        if not result.page_ids:  # nothing cached: no sequence was made
+            hold.live = False
+            req.holds.remove(hold)
         if self.link.events is not None and hits:
             self.link.events.held(hold.keys, hits, None)
         for key in hold.keys:
@@ -206,21 +227,20 @@ class TierSide:
                 for key in keys:
                     req.answers[key] = None
 
-    def _give_up(self, hold: _Hold) -> None:
-        future, hold.future = hold.future, None
-        hold.live = False
-        assert future is not None
-        self.link.release_when_answered(future, hold.seq_id)
-
     def _release(self, req: _Request, hold: _Hold) -> None:
+        """Let the hold go (once answered, when it is not yet) and forget its answers: a key asked again
+        later is asked anew."""
         if hold.future is not None:
-            self._give_up(hold)
+            future, hold.future = hold.future, None
+            self.link.release_when_answered(future, hold.seq_id)
         elif hold.live:
-            hold.live = False
             self.link.release(hold.seq_id, hold.generation)
-        for key in hold.pages:
+        hold.live = False
+        if hold in req.holds:
+            req.holds.remove(hold)
+        for key in hold.keys:
             if req.answers.get(key) is hold:
-                del req.answers[key]  # asked again later: asked anew
+                del req.answers[key]
 
     # ---------------------------------------------------------------------------------- jobs
     def _begin(self, job_id: int) -> None:
