@@ -168,7 +168,7 @@ def test_two_engines_share_pages_through_kvpool_behind_vllms_primary_tier(sideca
     try:
         tier = one.secondary_tiers[0]
         gate = threading.Event()
-        tier.side._lane.submit(gate.wait, 30)  # the tier's copy lane, held: the store's copy waits behind
+        tier.side._lane.submit(gate.wait, 30)  # the tier's store lane, held: the store's copy waits behind
         ks = keys("doc", 3)
         store(one, "r1", ks, fill=7)
         steps_until(one, lambda: sidecar.get("/v1/stats")["sequences"] == 1, "the store was never admitted")
@@ -231,7 +231,7 @@ def test_a_load_of_a_page_the_pool_lost_is_reported_failed_and_vllm_recomputes(s
         two.lookup(ks[1], ctx)
         two.on_schedule_end(END)  # the hold-only admission goes out
         steps_until(two, lambda: all(tier.side.lookup("r2", k[:-4]) == "hit" for k in ks), "no hit")
-        tier.side._lane.submit(gate.wait, 30)
+        tier.side._load_lane.submit(gate.wait, 30)  # the promotion's copy waits behind
         assert [two.lookup(k, ctx) for k in ks] == [LookupResult.HIT_PENDING] * 2  # promotions start
         two.on_schedule_end(END)  # -> KVPoolTier.submit_load, queued behind the gate
         sidecar.kill()
@@ -536,5 +536,27 @@ def test_a_hold_no_load_will_use_is_released_once_its_request_is_scheduled(sidec
         two.on_request_finished(a)
         two.on_request_finished(b)
     finally:
+        one.shutdown()
+        two.shutdown()
+
+
+def test_a_promotion_never_waits_behind_a_cascade(sidecar):
+    """The tier's cascades are held up (their lane blocked); a promotion of chunks kvpool holds still
+    completes: loads have a lane of their own."""
+    one, two = manager("e1", sidecar), manager("e2", sidecar)
+    gate = threading.Event()
+    try:
+        ks = keys("promoted", 2)
+        store(one, "r1", ks, fill=6)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 2, "never stored")
+        two.secondary_tiers[0].side._lane.submit(gate.wait, 30)  # the cascades' lane, blocked
+        store(two, "w", keys("waiting", 2), fill=1)  # a cascade queued behind it
+        ctx = ReqContext("r2")
+        two.on_new_request(ctx)
+        assert lookups(two, ctx, ks, timeout=5) == [LookupResult.HIT] * 2
+        assert loaded_bytes(two, ctx, ks) == [6, 7]
+        two.on_request_finished(ctx)
+    finally:
+        gate.set()
         one.shutdown()
         two.shutdown()

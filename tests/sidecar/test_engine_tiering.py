@@ -3,7 +3,9 @@ from outside. The tier through vLLM's own tiering classes is tests/e2e/test_vllm
 
 from __future__ import annotations
 
+import pytest
 import torch
+from kvpool_sidecar.engines.hostcopy import copy_rows, runs
 from kvpool_sidecar.engines.tiering import RETRY, TierSide
 
 
@@ -44,3 +46,19 @@ def test_a_first_scan_of_a_long_prompt_compares_each_key_a_bounded_number_of_tim
     finally:
         side.close()
 
+
+def test_rows_move_in_runs_to_the_rows_named_and_nowhere_else():
+    """Ids consecutive on both sides move as one run; every row lands where its pair says, between
+    strided rows too (vLLM's chunks without their padding); an id outside a region is refused."""
+    src = torch.arange(10 * 6, dtype=torch.uint8).view(10, 6)[:, :4]  # rows of 4 bytes, 6 apart
+    dst = torch.zeros((8, 4), dtype=torch.uint8)
+    dst_ids, src_ids = [0, 1, 2, 6, 4, 5], [3, 4, 5, 0, 9, 8]
+    assert runs(dst_ids, src_ids, 8, 10) == [(0, 3, 3), (6, 0, 1), (4, 9, 1), (5, 8, 1)]
+    copy_rows(dst, dst_ids, src, src_ids)
+    for d, s in zip(dst_ids, src_ids, strict=True):
+        assert torch.equal(dst[d], src[s])
+    assert not dst[[3, 7]].any()
+    with pytest.raises(IndexError):
+        copy_rows(dst, [8], src, [0])
+    with pytest.raises(IndexError):
+        copy_rows(dst, [0], src, [-1])

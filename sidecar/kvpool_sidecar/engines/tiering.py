@@ -4,7 +4,8 @@ On a GPU, vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec`` moves KV
 CPU primary tier (a host region vLLM owns: its DMA, its streams, tested on GPUs in vLLM's CI). kvpool sits
 behind that tier: chunks *cascade* from the primary tier into pool pages and are *promoted* back. Nothing
 here touches the GPU; every copy is between two host regions (vLLM's primary chunks and the pool's
-shared segment), on a copy thread of its own, never on the scheduler's thread.
+shared segment), never on the scheduler's thread: promotions on a lane (a copy thread) of their own, so
+they never wait behind cascades, which have theirs; rows move in runs at memory speed (:mod:`.hostcopy`).
 
 A pool page holds one offloaded chunk's bytes exactly as vLLM lays them out in its primary tier (every
 worker's share, one after the other, without the region's alignment padding), so the sidecar's
@@ -45,17 +46,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvpool_sidecar import wire
+from kvpool_sidecar.engines.hostcopy import Lane, copy_rows, rows
 from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLink
 from kvpool_sidecar.engines.scheduler import META_FIELDS
-from kvpool_sidecar.storage import KVStorage, StaleHandle
-from kvpool_sidecar.storage.tensors import SLICE_BYTES, AttachedKV
+from kvpool_sidecar.storage import StaleHandle
+from kvpool_sidecar.storage.tensors import SLICE_BYTES
 
 log = logging.getLogger("kvpool.engine")
 HIT, MISS, RETRY = "hit", "miss", "retry"
@@ -101,7 +103,6 @@ class TierSide:
                  default_meta: dict[str, Any] | None = None, trust_request_params: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.link = link
-        self.welcome = welcome
         self.primary = primary.view(torch.uint8)[:, :page_bytes]  # vLLM's chunks without their padding
         self.page_bytes = page_bytes
         self.page_size = page_size
@@ -112,12 +113,12 @@ class TierSide:
         self._prefix = session
         self._ids = itertools.count(1)
         self._requests: dict[str, _Request] = {}
-        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-tier")
+        self._lane = Lane("kvpool-tier-store", welcome, page_bytes)  # cascades
+        self._load_lane = Lane("kvpool-tier-load", welcome, page_bytes)  # promotions: never behind a cascade
         self._done: queue.SimpleQueue[tuple[Finished, list[_Hold]]] = queue.SimpleQueue()
         self._jobs: set[int] = set()  # submitted, not yet reported (the scheduler's thread)
         self._unfinished: set[int] = set()  # submitted, their result not yet queued (any thread)
         self._finishing = threading.Condition()  # guards _unfinished
-        self._mapped: AttachedKV | None = None  # used on the lane only
 
     # ------------------------------------------------------------------------------ requests
     def new_request(self, req_id: str, params: dict[str, Any] | None) -> None:
@@ -277,7 +278,7 @@ class TierSide:
                 if not any(h is hold for h in holds):
                     holds.append(hold)
             epoch, fence = (hold_of.epoch, hold_of.fence) if hold_of is not None else (None, None)
-            self._lane.submit(self._load, job_id, n, plan, epoch, fence, holds)
+            self._load_lane.submit(self._load, job_id, n, plan, epoch, fence, holds)
         except Exception:
             log.exception("kvpool tier: a load of %d chunks could not start: vLLM recomputes them", n)
             self.link.record(lambda r: r.fail("load"))
@@ -288,14 +289,12 @@ class TierSide:
 
     def _load(self, job_id: int, n: int, plan: list[tuple[int, int, int]], epoch: int | None,
               fence: tuple[int, int] | None, holds: list[_Hold]) -> None:
-        """On the lane: the copy, then the fence checked (nothing read was handed on meanwhile)."""
+        """On the load lane: the copy, then the fence checked (nothing read was handed on meanwhile)."""
         ok = [False] * n
         try:
-            mapped = self._mapping(epoch) if plan and epoch is not None else None
+            mapped = self._load_lane.mapping(epoch) if plan and epoch is not None else None
             if mapped is not None:
-                pages = torch.tensor([p for _, p, _ in plan], dtype=torch.int64)
-                chunks = torch.tensor([c for _, _, c in plan], dtype=torch.int64)
-                self.primary.index_copy_(0, chunks, _rows(mapped).index_select(0, pages))
+                copy_rows(self.primary, [c for _, _, c in plan], rows(mapped), [p for _, p, _ in plan])
                 mapped.check(fence)
                 for i, _, _ in plan:
                     ok[i] = True
@@ -312,7 +311,7 @@ class TierSide:
     # -------------------------------------------------------------------------------- stores
     def submit_store(self, job_id: int, req_id: str, keys: list[bytes], chunks: list[int]) -> None:
         """Admit ``keys``, copy primary ``chunks`` into the pages the pool lacks, then commit: off this
-        thread (the admission's answer starts the copy on the lane)."""
+        thread (the admission's answer starts the copy on the store lane)."""
         self._begin(job_id)
         n = len(keys)
         try:
@@ -334,7 +333,7 @@ class TierSide:
 
     def _admitted(self, future: Future, job_id: int, n: int, seq_id: str, keys: list[bytes],
                   chunks: list[int]) -> None:
-        """On the link's thread: the store's admission answered; its copy goes to the lane."""
+        """On the link's thread: the store's admission answered; its copy goes to the store lane."""
         try:
             gen, result = future.result()
         except Exception as exc:
@@ -353,7 +352,7 @@ class TierSide:
 
     def _store(self, job_id: int, n: int, seq_id: str, gen: int, result: wire.Admitted, keys: list[bytes],
                chunks: list[int]) -> None:
-        """On the lane: the fresh pages written in slices of at most ``SLICE_BYTES``, each under the
+        """On the store lane: the fresh pages written in slices of at most ``SLICE_BYTES``, each under the
         session's lock with the fence checked first, then committed (published) and released, in that
         order; whatever raises, the admission is released and the job reported."""
         ok = [False] * n
@@ -363,15 +362,13 @@ class TierSide:
             fresh = result.page_ids[hits:]
             written = False
             try:
-                mapped = self._mapping(result.epoch) if result.epoch is not None else None
+                mapped = self._lane.mapping(result.epoch) if result.epoch is not None else None
                 if mapped is not None and gen == self.link.generation:
-                    src = chunks[hits:admitted]
+                    src, pages = chunks[hits:admitted], rows(mapped)
                     per = max(1, SLICE_BYTES // self.page_bytes)
                     for at in range(0, len(fresh), per):
-                        pages = torch.tensor(fresh[at : at + per], dtype=torch.int64)
-                        rows = self.primary.index_select(0, torch.tensor(src[at : at + per], dtype=torch.int64))
                         with mapped.writing(result.fence):
-                            _rows(mapped).index_copy_(0, pages, rows)
+                            copy_rows(pages, fresh[at : at + per], self.primary, src[at : at + per])
                     mapped.check(result.fence)
                     written = True
             except Exception as exc:
@@ -394,31 +391,7 @@ class TierSide:
             finally:
                 self._finish(job_id, ok)
 
-    # ------------------------------------------------------------------------------ the lane
-    def _mapping(self, epoch: int) -> AttachedKV | None:
-        """The pool of ``epoch``, mapped (on the lane: a remap blocks no scheduler step)."""
-        mapped = self._mapped
-        if mapped is not None and mapped.epoch == epoch:
-            return mapped
-        try:
-            welcome = self.welcome()
-        except Exception as exc:
-            log.warning("kvpool tier: the pool could not be mapped: %s", exc)
-            return None
-        if welcome.storage is None or welcome.storage.get("epoch") != epoch:
-            return None
-        fresh = KVStorage.attach(welcome.storage)
-        if _rows(fresh).shape[1] != self.page_bytes:
-            fresh.close()
-            log.error("kvpool tier: the sidecar's pages hold %d bytes, vLLM's chunks %d: not used",
-                      _rows(fresh).shape[1], self.page_bytes)
-            return None
-        self._mapped = fresh
-        if mapped is not None:
-            mapped.close()
-        return fresh
-
-    # --------------------------------------------------------------------------------- jobs
+    # ------------------------------------------------------------------------------ reports
     def finished_jobs(self) -> list[Finished]:
         """Jobs done since the last call; the holds their loads read are released here."""
         out = []
@@ -448,10 +421,8 @@ class TierSide:
     def close(self) -> None:
         if not self.drain(timeout=self.link.timeout + 1):
             log.warning("kvpool tier: closing with %d jobs unfinished", len(self._unfinished))
-        self._lane.shutdown(wait=True)
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None
+        self._lane.close()
+        self._load_lane.close()
         self.primary = torch.empty((0, self.page_bytes), dtype=torch.uint8)  # vLLM unmaps its region next
         self.link.close()
 
@@ -463,9 +434,3 @@ def _failed(exc: BaseException, what: str, n: int) -> None:
         log.warning("kvpool tier: " + what + " (%s)", n, exc)
     else:
         log.exception("kvpool tier: " + what + " (unexpected)", n)
-
-
-def _rows(mapped: AttachedKV) -> torch.Tensor:
-    """The pool's pages as rows of bytes."""
-    kv = mapped.kv
-    return kv.view(kv.shape[0], -1).view(torch.uint8)
