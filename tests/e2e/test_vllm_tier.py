@@ -68,12 +68,15 @@ class Layout(NamedTuple):
 def manager(engine_id: str, sidecar: SidecarProcess, events: bool = False, layout: Layout | None = None,
             **tier_changes):
     """vLLM's tiering manager for one engine: the shipped config, pointed at this test's sidecar (no token
-    file: the sidecar serves its own user), with a 64-chunk primary tier; a chunk is 16 tokens (a page)
-    whatever ``layout`` says."""
+    file: the sidecar serves its own user), lookups answered within a second, with a 64-chunk primary
+    tier; a chunk is 16 tokens (a page) whatever ``layout`` says."""
     engine_id = f"kvpool-test-{os.getpid()}-{engine_id}"
     REGIONS.append(Path(f"/dev/shm/vllm_offload_{engine_id}.mmap"))
     extra, tier = shipped_tier()
-    tier = {k: v for k, v in tier.items() if k != "token_file"} | {"socket": sidecar.socket, **tier_changes}
+    # A lookup's answer may take longer than the shipped budget (20 ms) on a busy 2-core machine, which
+    # these tests would read as a miss; the budget itself: test_a_stopped_sidecar_holds_no_lookup_past_the_budget.
+    tier = {k: v for k, v in tier.items() if k != "token_file"} | {"socket": sidecar.socket,
+                                                                  "lookup_wait_ms": 1000, **tier_changes}
     extra = extra | {"cpu_bytes_to_use": 64 * 4096, "secondary_tiers": [tier]}
     ps = extra["block_size"]
     layout = layout or Layout(ps, ps)
