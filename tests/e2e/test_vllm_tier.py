@@ -6,12 +6,14 @@ the primary region (what vLLM's DMA does) and reads them back after a promotion.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -52,26 +54,47 @@ def shipped_tier() -> tuple[dict, dict]:
 REGIONS: list[Path] = []  # vLLM's primary regions the tests made (its scheduler side leaves the file)
 
 
-def manager(engine_id: str, sidecar: SidecarProcess, events: bool = False, **tier_changes):
+class Layout(NamedTuple):
+    """How vLLM offloads the model's KV: the offloaded group's block (tokens), the hashing's granularity
+    (tokens), blocks per chunk, the group's id in vLLM's KV cache config, and how many groups it offloads."""
+
+    tokens_per_block: int
+    tokens_per_hash: int
+    blocks_per_chunk: int = 1
+    group_id: int = 0
+    groups: int = 1
+
+
+def manager(engine_id: str, sidecar: SidecarProcess, events: bool = False, layout: Layout | None = None,
+            **tier_changes):
     """vLLM's tiering manager for one engine: the shipped config, pointed at this test's sidecar (no token
-    file: the sidecar serves its own user), with a 64-chunk primary tier."""
+    file: the sidecar serves its own user), lookups answered within a second, with a 64-chunk primary
+    tier; a chunk is 16 tokens (a page) whatever ``layout`` says."""
     engine_id = f"kvpool-test-{os.getpid()}-{engine_id}"
     REGIONS.append(Path(f"/dev/shm/vllm_offload_{engine_id}.mmap"))
     extra, tier = shipped_tier()
-    tier = {k: v for k, v in tier.items() if k != "token_file"} | {"socket": sidecar.socket, **tier_changes}
+    # A lookup's answer may take longer than the shipped budget (20 ms) on a busy 2-core machine, which
+    # these tests would read as a miss; the budget itself: test_a_stopped_sidecar_holds_no_lookup_past_the_budget.
+    tier = {k: v for k, v in tier.items() if k != "token_file"} | {"socket": sidecar.socket,
+                                                                  "lookup_wait_ms": 1000, **tier_changes}
     extra = extra | {"cpu_bytes_to_use": 64 * 4096, "secondary_tiers": [tier]}
     ps = extra["block_size"]
+    layout = layout or Layout(ps, ps)
+    assert layout.tokens_per_block * layout.blocks_per_chunk == ps
+    layers = tuple(f"layer.{i}" for i in range(LAYERS))
     config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(ps, tuple(f"layer.{i}" for i in range(LAYERS)), 0),),
-        worker_kv_bytes_per_block=CHUNK, enable_kv_cache_events=events, extra_config=extra, engine_id=engine_id,
-        model=OffloadingModelConfig("org/tiny", "float16"), cache=OffloadingCacheConfig(ps, 1),
+        groups=tuple(OffloadingGroupConfig(layout.tokens_per_block, layers, layout.group_id + g)
+                     for g in range(layout.groups)),
+        worker_kv_bytes_per_block=CHUNK // layout.blocks_per_chunk, enable_kv_cache_events=events,
+        extra_config=extra, engine_id=engine_id, model=OffloadingModelConfig("org/tiny", "float16"),
+        cache=OffloadingCacheConfig(layout.tokens_per_hash, layout.blocks_per_chunk),
         parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
     spec = TieringOffloadingSpec(config)
     return spec.get_manager()
 
 
-def keys(tag: str, n: int) -> list[bytes]:
-    return [make_offload_key(f"{tag}-{i}".encode().ljust(32, b"."), 0) for i in range(n)]
+def keys(tag: str, n: int, group: int = 0) -> list[bytes]:
+    return [make_offload_key(f"{tag}-{i}".encode().ljust(32, b"."), group) for i in range(n)]
 
 
 def primary(m) -> np.ndarray:
@@ -148,7 +171,7 @@ def test_two_engines_share_pages_through_kvpool_behind_vllms_primary_tier(sideca
     try:
         tier = one.secondary_tiers[0]
         gate = threading.Event()
-        tier.side._lane.submit(gate.wait, 30)  # the tier's copy lane, held: the store's copy waits behind
+        tier.side._lane.submit(gate.wait, 30)  # the tier's store lane, held: the store's copy waits behind
         ks = keys("doc", 3)
         store(one, "r1", ks, fill=7)
         steps_until(one, lambda: sidecar.get("/v1/stats")["sequences"] == 1, "the store was never admitted")
@@ -211,7 +234,7 @@ def test_a_load_of_a_page_the_pool_lost_is_reported_failed_and_vllm_recomputes(s
         two.lookup(ks[1], ctx)
         two.on_schedule_end(END)  # the hold-only admission goes out
         steps_until(two, lambda: all(tier.side.lookup("r2", k[:-4]) == "hit" for k in ks), "no hit")
-        tier.side._lane.submit(gate.wait, 30)
+        tier.side._load_lane.submit(gate.wait, 30)  # the promotion's copy waits behind
         assert [two.lookup(k, ctx) for k in ks] == [LookupResult.HIT_PENDING] * 2  # promotions start
         two.on_schedule_end(END)  # -> KVPoolTier.submit_load, queued behind the gate
         sidecar.kill()
@@ -334,3 +357,240 @@ def test_a_pin_by_token_ids_works_when_the_idle_link_would_connect_before_the_ha
         assert r.status_code == 201 and len(r.json()["pages"]) == 2, r.text
     finally:
         one.shutdown()
+
+
+def test_reset_cache_waits_for_a_store_whose_admission_was_just_answered(sidecar):
+    """vLLM's reset_cache (/reset_prefix_cache, sleep) drains the tier, then asserts no job is left. A store
+    whose admission has been answered, but whose copy the link's thread has not queued yet, is still a job:
+    drain returns once it is reported, and vLLM's manager takes the report in."""
+    one = manager("e1", sidecar)
+    go = threading.Event()
+    try:
+        link = one.secondary_tiers[0].side.link
+        admit, answered = link.admit, threading.Event()
+
+        def admit_then_pause(op):  # the link's thread, between the answer and the tier's own callback
+            future = admit(op)
+            future.add_done_callback(lambda f: (answered.set(), go.wait(10)))
+            return future
+
+        link.admit = admit_then_pause
+        store(one, "r1", keys("drain", 2), fill=1)
+        assert answered.wait(10), "the store was never admitted"
+        threading.Timer(0.3, go.set).start()
+        one.reset_cache()  # asserts every job was reported once the tiers drained
+        assert not one.has_pending_work()
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 2, "the store was lost")
+    finally:
+        go.set()
+        one.shutdown()
+
+
+def test_a_job_whose_copy_raises_anything_is_reported_failed_and_vllm_unpins_its_chunks(sidecar, monkeypatch):
+    """A bug in a copy (a TypeError here), or a lane that refuses the copy once the store's admission is
+    answered, still reports the job (failed): vLLM unpins the primary chunks of a cascade and drops the
+    slots of a promotion (the keys are a MISS, recomputed); the store's admission is released."""
+    from kvpool_sidecar.storage.tensors import AttachedKV
+
+    one, two = manager("e1", sidecar), manager("e2", sidecar)
+    try:
+        ks = keys("bug", 2)
+        store(one, "r1", ks, fill=2)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 2 and not one.has_pending_work(),
+                    "never stored")
+
+        def bug(mapped, fence=None):
+            raise TypeError("a bug in a copy")
+
+        monkeypatch.setattr(AttachedKV, "check", bug)  # the fence check of every store slice and load
+        store(one, "r3", keys("bug-store", 2), fill=3)
+        steps_until(one, lambda: not one.has_pending_work(), "the store that raised was never reported")
+
+        tier = two.secondary_tiers[0]
+        ctx = ReqContext("r2")
+        two.on_new_request(ctx)
+        assert [two.lookup(k, ctx) for k in ks] == [LookupResult.RETRY] * 2
+        two.on_schedule_end(END)
+        steps_until(two, lambda: all(tier.side.lookup("r2", k[:-4]) == "hit" for k in ks), "no hit")
+        assert [two.lookup(k, ctx) for k in ks] == [LookupResult.HIT_PENDING] * 2
+        two.on_schedule_end(END)  # -> submit_load, whose copy raises
+        steps_until(two, lambda: not two.has_pending_work(), "the load that raised was never reported")
+        two.lookup(ks[0], ctx)
+        assert [two.primary_tier.lookup(k, ctx) for k in ks] == [LookupResult.MISS] * 2
+        two.on_request_finished(ctx)
+
+        monkeypatch.undo()
+        lane = one.secondary_tiers[0].side._lane
+
+        def refused(*args, **kwargs):
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+        monkeypatch.setattr(lane, "submit", refused)
+        store(one, "r4", keys("bug-lane", 2), fill=4)
+        steps_until(one, lambda: not one.has_pending_work(), "the store whose copy was refused was never reported")
+        steps_until(one, lambda: sidecar.get("/v1/stats")["sequences"] == 0, "the refused store's admission is held")
+        assert sidecar.get("/v1/stats")["cached_pages"] == 2
+    finally:
+        monkeypatch.undo()
+        one.shutdown()
+        two.shutdown()
+
+
+def test_events_expect_the_tiers_removals_as_vllms_own_removing_tiers_do(sidecar):
+    """kvpool announces its removals, so its stored events say so (``removal_expected``, as vLLM's kvcr
+    tier's): vLLM's event tracker then keeps a chunk's payload after vLLM's primary tier evicts it, and
+    kvpool's later removal names every block hash of the chunk (a chunk of two 8-token blocks here), not
+    a placeholder of its key's hash alone, which would leave the first block in a router's index."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_events import BlockRemoved
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventGroupSpec,
+        OffloadingEventsTracker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import GroupOffloadConfig
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.kv_offload.base import OffloadingKVEventsConfig
+
+    one = manager("e1", sidecar, events=True, layout=Layout(8, 8, blocks_per_chunk=2))
+    try:
+        tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(True, True))
+        group = GroupOffloadConfig(0, 8, 16, 2, OffloadingEventGroupSpec("full_attention", None), None, None, None)
+        first, last = hashlib.sha256(b"block 0").digest(), hashlib.sha256(b"block 1").digest()
+        request = SimpleNamespace(block_hashes=[first, last], all_token_ids=list(range(16)), lora_request=None)
+        key = make_offload_key(last, 0)
+        tracker.record_store(request, group, 0, key)  # what vLLM's scheduler records before it stores
+        published: list = []
+
+        def drain() -> list:
+            published.extend(tracker.take_events(one.take_events()))
+            return published
+
+        store(one, "r1", [key], fill=1)
+        steps_until(one, lambda: any(e.ownership == "KVPoolTier" for e in drain()), "never announced")
+        store(one, "r2", keys("filler", 40), fill=2)  # both tiers (64 chunks, 64 pages) fill up
+        steps_until(one, lambda: not one.has_pending_work(), "the stores were never reported")
+        ctx = ReqContext("r3")
+        one.on_new_request(ctx)
+        out = one.prepare_store(keys("more", 40), ctx)  # evicts the chunk from vLLM's primary tier ...
+        assert any(isinstance(e, BlockRemoved) and e.ownership is None for e in drain())
+        one.complete_store(out.keys_to_store, ctx)  # ... and their cascade evicts it from kvpool
+        one.on_request_finished(ctx)
+        ours = [maybe_convert_block_hash(h) for h in (first, last)]  # as vLLM's events name them
+
+        def removed() -> list:
+            return [e for e in drain() if isinstance(e, BlockRemoved) and e.ownership == "KVPoolTier"
+                    and ours[-1] in e.block_hashes]
+
+        steps_until(one, removed, "kvpool never removed the chunk")
+        [event] = removed()
+        assert ours[0] in event.block_hashes  # the chunk's first block too
+    finally:
+        one.shutdown()
+
+
+def test_a_chunk_of_the_offloaded_groups_own_block_size_and_id_round_trips(sidecar):
+    """The offloaded group is vLLM's KV cache group 1, with 16-token blocks hashed every 8 tokens (a
+    hybrid model's hash granularity): a chunk is one 16-token block (a page) and its keys carry group 1.
+    Two offloaded groups are refused, naming how many."""
+    from kvpool_sidecar.engines.blocks import LayoutError
+
+    layout = Layout(16, 8, group_id=1)
+    one, two = manager("e1", sidecar, layout=layout), manager("e2", sidecar, layout=layout)
+    try:
+        ks = keys("group", 3, group=1)
+        store(one, "r1", ks, fill=11)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 3, "never stored")
+        ctx = ReqContext("r2")
+        two.on_new_request(ctx)
+        assert lookups(two, ctx, ks) == [LookupResult.HIT] * 3
+        assert loaded_bytes(two, ctx, ks) == [11, 12, 13]
+        two.on_request_finished(ctx)
+    finally:
+        one.shutdown()
+        two.shutdown()
+    with pytest.raises(LayoutError, match="offloading has 2"):
+        manager("e3", sidecar, layout=Layout(16, 16, groups=2))
+
+
+def test_vllms_own_tier_keys_are_accepted_and_kvpools_typos_refused(sidecar):
+    """``locality`` (vLLM reads it from every secondary_tiers entry and passes it on) is the tier's: vLLM's
+    per-request tier filter honours it and its events carry it. A typo of kvpool's own field is refused,
+    naming it."""
+    from kvpool_sidecar.engines.settings import ConnectorConfigError
+    from vllm.v1.kv_offload.base import Locality, TierFilter, TierMatcher
+
+    one = manager("e1", sidecar, events=True, locality="LOCAL")
+    two = manager("e2", sidecar, locality="LOCAL")
+    try:
+        assert one.secondary_tiers[0].locality is Locality.LOCAL
+        ks = keys("local", 2)
+        store(one, "r1", ks, fill=1)
+        seen: list = []
+        steps_until(one, lambda: seen.extend(e for e in one.take_events() if e.ownership == "KVPoolTier")
+                    or seen, "no event from the tier")
+        assert all(e.locality is Locality.LOCAL for e in seen)
+        remote_only = ReqContext("r2", load_tier_filter=TierFilter((TierMatcher(locality=Locality.REMOTE),)))
+        two.on_new_request(remote_only)
+        assert two.lookup(ks[0], remote_only) is LookupResult.MISS  # kvpool, a local tier, is not asked
+        two.on_request_finished(remote_only)
+        anywhere = ReqContext("r3")
+        two.on_new_request(anywhere)
+        assert two.lookup(ks[0], anywhere) is LookupResult.RETRY  # kvpool is asked
+        two.on_request_finished(anywhere)
+    finally:
+        one.shutdown()
+        two.shutdown()
+    with pytest.raises(ConnectorConfigError, match=r"secondary_tiers\[KVPoolTier\]\.sockte"):
+        manager("e2", sidecar, sockte="/tmp/x.sock")
+    with pytest.raises(ConnectorConfigError, match=r"secondary_tiers\[KVPoolTier\]\.locality"):
+        manager("e3", sidecar, locality="NEARBY")
+
+
+def test_a_hold_no_load_will_use_is_released_once_its_request_is_scheduled(sidecar):
+    """Two requests of one engine ask kvpool about the same prefix in the same step: one hold each. The
+    first promotes the chunks; the second then finds them in vLLM's primary tier and never asks kvpool
+    again. Once vLLM schedules both, neither hold pins the pool's pages (not only when they finish)."""
+    one, two = manager("e1", sidecar), manager("e2", sidecar)
+    try:
+        ks = keys("shared", 3)
+        store(one, "r1", ks, fill=1)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 3, "never stored")
+        a, b = ReqContext("a"), ReqContext("b")
+        two.on_new_request(a)
+        two.on_new_request(b)
+        assert [two.lookup(k, a) for k in ks] == [LookupResult.RETRY] * 3
+        assert [two.lookup(k, b) for k in ks] == [LookupResult.RETRY] * 3
+        two.on_schedule_end(END)
+        steps_until(two, lambda: sidecar.get("/v1/stats")["sequences"] == 2, "the holds were never made")
+        assert lookups(two, a, ks) == [LookupResult.HIT] * 3  # promoted for a
+        assert lookups(two, b, ks) == [LookupResult.HIT] * 3  # vLLM's primary tier: kvpool not asked
+        two.on_schedule_end(ScheduleEndContext(["a", "b"], []))  # both scheduled, still running
+        steps_until(two, lambda: sidecar.get("/v1/stats")["sequences"] == 0, "an unused hold stays pinned")
+        two.on_request_finished(a)
+        two.on_request_finished(b)
+    finally:
+        one.shutdown()
+        two.shutdown()
+
+
+def test_a_promotion_never_waits_behind_a_cascade(sidecar):
+    """The tier's cascades are held up (their lane blocked); a promotion of chunks kvpool holds still
+    completes: loads have a lane of their own."""
+    one, two = manager("e1", sidecar), manager("e2", sidecar)
+    gate = threading.Event()
+    try:
+        ks = keys("promoted", 2)
+        store(one, "r1", ks, fill=6)
+        steps_until(one, lambda: sidecar.get("/v1/stats")["cached_pages"] == 2, "never stored")
+        two.secondary_tiers[0].side._lane.submit(gate.wait, 30)  # the cascades' lane, blocked
+        store(two, "w", keys("waiting", 2), fill=1)  # a cascade queued behind it
+        ctx = ReqContext("r2")
+        two.on_new_request(ctx)
+        assert lookups(two, ctx, ks, timeout=5) == [LookupResult.HIT] * 2
+        assert loaded_bytes(two, ctx, ks) == [6, 7]
+        two.on_request_finished(ctx)
+    finally:
+        gate.set()
+        one.shutdown()
+        two.shutdown()

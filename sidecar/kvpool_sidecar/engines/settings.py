@@ -77,12 +77,21 @@ class ConnectorSettings(ChannelSettings):
         "is the path to use")
 
 
+# The keys vLLM itself reads in every secondary_tiers entry (vllm.v1.kv_offload.tiering's factory and
+# spec): ``type``, ``module_path`` and ``backpressure`` it takes out before it builds the tier (and
+# validates itself); ``locality`` it reads there and passes on, to the tier (TierSettings.locality).
+VLLM_TIER_KEYS = ("type", "module_path", "backpressure")
+
+
 class TierSettings(ChannelSettings):
-    """kvpool's entry in ``secondary_tiers`` of vLLM's ``TieringOffloadingSpec`` (besides ``type`` and
-    ``module_path``, which vLLM reads). Its lookups answer at the next scheduler step at the earliest, so
-    its budget runs from when the step's lookups were sent."""
+    """kvpool's entry in ``secondary_tiers`` of vLLM's ``TieringOffloadingSpec`` (besides the keys vLLM
+    reads itself: :data:`VLLM_TIER_KEYS`). Its lookups answer at the next scheduler step at the earliest,
+    so its budget runs from when the step's lookups were sent."""
 
     lookup_wait_ms: Annotated[float, Field(ge=0, le=1000)] = 20.0
+    locality: Literal["LOCAL", "REMOTE"] | None = Field(
+        default=None, description="vLLM's tier locality (its Locality): a request's load_tier_filter "
+        "matches it, and the tier's KV events carry it")
 
 
 def parse_settings(extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -90,7 +99,9 @@ def parse_settings(extra: dict[str, Any] | None) -> ConnectorSettings:
 
 
 def parse_tier_settings(params: dict[str, Any] | None, where: str) -> TierSettings:
-    return _parse(TierSettings, params, where)
+    """A secondary_tiers entry, whole or as vLLM passes it to the tier: vLLM's own keys are vLLM's to
+    check; any other key must be one of kvpool's (a typo is refused, naming it)."""
+    return _parse(TierSettings, {k: v for k, v in (params or {}).items() if k not in VLLM_TIER_KEYS}, where)
 
 
 _S = TypeVar("_S", bound=BaseModel)

@@ -10,11 +10,13 @@ tier and promotes it back (:mod:`.tiering`, the logic). Load it in ``TieringOffl
             "secondary_tiers": [{"type": "KVPoolTier", "module_path": "kvpool_sidecar.engines.tier",
                                  "socket": "/tmp/kvpool/engine.sock", "token_file": "/var/run/kvpool/token"}]}}'
 
-Besides ``type`` and ``module_path`` the entry takes the connector's channel settings (``socket``,
-``token``/``token_file``, ``lookup_wait_ms``, ``timeout_s``, ``defaults``, ``trust_request_params``;
-:class:`~.settings.TierSettings`); a bad one refuses to start, naming ``secondary_tiers.<field>``. The
-sidecar's ``pageSize`` must be the offloaded ``block_size`` (tokens per chunk) and its ``--kv-shape`` the
-model's (kv_heads of all ranks together): a page then holds one chunk, every worker's share of it.
+Besides the keys vLLM reads itself (``type``, ``module_path``, ``backpressure``) the entry takes the
+connector's channel settings (``socket``, ``token``/``token_file``, ``lookup_wait_ms``, ``timeout_s``,
+``defaults``, ``trust_request_params``) and vLLM's ``locality``, which vLLM passes every tier
+(:class:`~.settings.TierSettings`); a bad one refuses to start, naming ``secondary_tiers.<field>``. The
+sidecar's ``pageSize`` must be the offloaded chunk's tokens (the offloaded group's block size times
+vLLM's blocks per chunk: ``block_size`` in vLLM's config) and its ``--kv-shape`` the model's (kv_heads of
+all ranks together): a page then holds one chunk, every worker's share of it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import BlockHash, hash_block_tokens, resolve_none_hash_seed
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -42,7 +45,6 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
     get_offload_block_hash,
-    get_offload_group_idx,
     make_offload_key,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
@@ -74,11 +76,14 @@ class KVPoolTier(SecondaryTierManager):
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view, tier_type=tier_type,
                          backpressure_detector=backpressure_detector)
         settings = parse_tier_settings(params, WHERE)
+        self.locality = None if settings.locality is None else Locality(settings.locality)
         config = offloading_spec.config
         if len(config.groups) != 1:
             raise LayoutError(f"KVPoolTier stores one KV cache group; this model's offloading has "
                               f"{len(config.groups)} (a hybrid model: use another secondary tier)")
-        self.page_size = config.cache.tokens_per_hash * config.cache.blocks_per_chunk  # tokens a chunk holds
+        [group] = config.groups
+        self.group_id = group.group_id  # vLLM's keys carry it (its KV cache config's index of the group)
+        self.page_size = group.tokens_per_block * config.cache.blocks_per_chunk  # tokens a chunk holds
         copies = 1 if getattr(offloading_spec, "replicated_layout", False) else config.parallel.world_size
         self.page_bytes = offloading_spec.cpu_page_size_per_worker * copies  # a chunk without its padding
         engine = engine_config(offloading_spec)
@@ -99,11 +104,11 @@ class KVPoolTier(SecondaryTierManager):
         welcome = lambda: fetch_welcome(socket, mapper, timeout)  # noqa: E731
         self._check_pool(welcome)
         primary = torch.from_numpy(np.asarray(primary_kv_view))  # [chunks, row bytes], vLLM's region
-        # Pins by token ids need the engine's block hashing in the hello; a chunk of one block is keyed as
-        # vLLM keys that block, so the sidecar can name the pages from token ids. vLLM's engine core seeds
-        # its hashes (NONE_HASH) after it has built this tier: the link opens no connection until then
-        # (but for an op, which vLLM makes only once it serves).
-        self._hashing_pending = config.cache.blocks_per_chunk == 1
+        # Pins by token ids need the engine's block hashing in the hello; a chunk hashed once (one hash per
+        # chunk) is keyed as vLLM keys that hash's tokens, so the sidecar can name the pages from token ids.
+        # vLLM's engine core seeds its hashes (NONE_HASH) after it has built this tier: the link opens no
+        # connection until then (but for an op, which vLLM makes only once it serves).
+        self._hashing_pending = config.cache.tokens_per_hash == self.page_size
         link = SidecarLink(socket, hello, timeout=timeout, events=EventLog() if events else None,
                            hello_ready=self._hello_ready)
         self.side = TierSide(link, welcome, primary, self.page_bytes,
@@ -136,7 +141,7 @@ class KVPoolTier(SecondaryTierManager):
 
     @staticmethod
     def _hash(key: OffloadKey) -> bytes:
-        assert get_offload_group_idx(key) == 0
+        """The block hash of a key of the one group this tier stores (vLLM asks about no other)."""
         return bytes(get_offload_block_hash(key))
 
     @override
@@ -179,8 +184,11 @@ class KVPoolTier(SecondaryTierManager):
             return ()
         out = []
         for event in events.take():
-            keys = [make_offload_key(h, 0) for h in event.hashes]
-            out.append(OffloadingEvent(keys, Medium.CPU, isinstance(event, Removed), ownership=self.tier_type))
+            keys = [make_offload_key(h, self.group_id) for h in event.hashes]
+            # Every page announced here is announced again when it leaves the pool: vLLM's event tracker
+            # keeps a chunk's payload until then (removal_expected, as vLLM's kvcr tier says it).
+            out.append(OffloadingEvent(keys, Medium.CPU, isinstance(event, Removed), locality=self.locality,
+                                       ownership=self.tier_type, removal_expected=True))
         return out
 
     @override
@@ -198,6 +206,9 @@ class KVPoolTier(SecondaryTierManager):
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """After vLLM's manager submitted this step's promotions: the holds of the requests it scheduled
+        that no load reads go, then this step's lookups are sent."""
+        self.side.scheduled(context.new_req_ids)
         self.side.flush()
 
     def _hello_ready(self, link: SidecarLink) -> bool:

@@ -4,7 +4,8 @@ On a GPU, vLLM's ``OffloadingConnector`` with ``TieringOffloadingSpec`` moves KV
 CPU primary tier (a host region vLLM owns: its DMA, its streams, tested on GPUs in vLLM's CI). kvpool sits
 behind that tier: chunks *cascade* from the primary tier into pool pages and are *promoted* back. Nothing
 here touches the GPU; every copy is between two host regions (vLLM's primary chunks and the pool's
-shared segment), on a copy thread of its own, never on the scheduler's thread.
+shared segment), never on the scheduler's thread: promotions on a lane (a copy thread) of their own, so
+they never wait behind cascades, which have theirs; rows move in runs at memory speed (:mod:`.hostcopy`).
 
 A pool page holds one offloaded chunk's bytes exactly as vLLM lays them out in its primary tier (every
 worker's share, one after the other, without the region's alignment padding), so the sidecar's
@@ -20,14 +21,21 @@ its fence stops its copies the moment it ends, its lapsed pages are quarantined)
   answer is in; an answer not in ``lookup_wait`` after it was sent is a MISS (the request is served
   without the tier, and the hold is released when the answer comes). The scheduler never waits on the
   sidecar: vLLM scans a request's keys past a RETRY, so a step's lookups cost one round trip in all.
+  A hold goes once vLLM has scheduled its request (its lookups are over then) and no load reads it,
+  or, for one a load reads, once that load is reported: a key held but never loaded pins nothing for
+  the request's whole life.
 * loads (promotions): the held pages are copied into the primary chunks vLLM allocated, the session's
   fence checked after the read; a key whose page is not held by this request's lookup (or whose hold
-  lapsed) fails alone and vLLM recomputes it. The hold is released once its load job is reported.
+  lapsed) fails alone and vLLM recomputes it.
 * stores (cascades): one admission per job (pages for what the pool lacks), the primary chunks copied
   into the fresh pages in slices of at most ``SLICE_BYTES``, each under the session's lock with the
   fence checked first (:meth:`AttachedKV.writing`), then committed and released on
   the link, in that order: a page is published only after its bytes are written. vLLM keeps the
   primary chunks pinned until the job is reported done.
+
+Every job submitted is reported, once, whatever raises on the way (a copy's bug included: the job fails,
+a store's admission is released), and :meth:`TierSide.drain` returns only once every submitted job's
+result is queued for :meth:`TierSide.finished_jobs` (vLLM's ``reset_cache`` asserts no job is left).
 """
 
 from __future__ import annotations
@@ -37,28 +45,30 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvpool_sidecar import wire
+from kvpool_sidecar.engines.hostcopy import Lane, copy_rows, rows
 from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLink
 from kvpool_sidecar.engines.scheduler import META_FIELDS
-from kvpool_sidecar.storage import KVStorage, StaleHandle
-from kvpool_sidecar.storage.tensors import SLICE_BYTES, AttachedKV
+from kvpool_sidecar.storage import StaleHandle
+from kvpool_sidecar.storage.tensors import SLICE_BYTES
 
 log = logging.getLogger("kvpool.engine")
 HIT, MISS, RETRY = "hit", "miss", "retry"
+EXPECTED = (StaleHandle, RuntimeError, IndexError, OSError)  # a pool gone or moved, a link down: no bug
 
 
-@dataclass
+@dataclass(eq=False)
 class _Hold:
     """One hold-only admission of a request's lookups."""
 
+    req_id: str
     seq_id: str
     keys: list[bytes]
     sent_at: float
@@ -71,12 +81,12 @@ class _Hold:
     live: bool = True  # not released
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     meta: dict[str, Any]
     answers: dict[bytes, _Hold | None] = field(default_factory=dict)  # asked key -> its hold (None: a miss)
-    batch: list[bytes] = field(default_factory=list)  # keys asked this step, sent at its end
-    holds: list[_Hold] = field(default_factory=list)
+    batch: dict[bytes, None] = field(default_factory=dict)  # keys asked this step, in order, sent at its end
+    holds: list[_Hold] = field(default_factory=list)  # not released
 
 
 @dataclass
@@ -93,7 +103,6 @@ class TierSide:
                  default_meta: dict[str, Any] | None = None, trust_request_params: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.link = link
-        self.welcome = welcome
         self.primary = primary.view(torch.uint8)[:, :page_bytes]  # vLLM's chunks without their padding
         self.page_bytes = page_bytes
         self.page_size = page_size
@@ -104,13 +113,12 @@ class TierSide:
         self._prefix = session
         self._ids = itertools.count(1)
         self._requests: dict[str, _Request] = {}
-        self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvpool-tier")
+        self._lane = Lane("kvpool-tier-store", welcome, page_bytes)  # cascades
+        self._load_lane = Lane("kvpool-tier-load", welcome, page_bytes)  # promotions: never behind a cascade
         self._done: queue.SimpleQueue[tuple[Finished, list[_Hold]]] = queue.SimpleQueue()
-        self._jobs: set[int] = set()  # submitted, not yet reported
-        self._stores: list[Future] = []  # store admissions not yet answered (for drain)
-        self._copies: list[Future] = []
-        self._mapped: AttachedKV | None = None  # used on the lane only
-        self._lock = threading.Lock()  # guards _stores and _copies (the link's thread adds copies)
+        self._jobs: set[int] = set()  # submitted, not yet reported (the scheduler's thread)
+        self._unfinished: set[int] = set()  # submitted, their result not yet queued (any thread)
+        self._finishing = threading.Condition()  # guards _unfinished
 
     # ------------------------------------------------------------------------------ requests
     def new_request(self, req_id: str, params: dict[str, Any] | None) -> None:
@@ -126,12 +134,27 @@ class TierSide:
             req = self._requests[req_id]
         return req
 
+    def scheduled(self, req_ids: Iterable[str]) -> None:
+        """vLLM scheduled these requests: their lookups are over (a request is scheduled only once every
+        key it found is loaded, and asks again only after a preemption), and the loads they started were
+        submitted before this call. Their holds that no load is reading go now (the rest once their loads
+        are reported): a key held but never loaded (vLLM's primary tier had it by then, or could not take
+        the promotion) does not pin the pool's page for the request's whole life."""
+        for req_id in req_ids:
+            req = self._requests.get(req_id)
+            if req is None:
+                continue
+            req.batch = {}
+            for hold in list(req.holds):
+                if hold.loading == 0:
+                    self._release(req, hold)
+
     def finished(self, req_id: str) -> None:
         """No call for this request follows; its holds go once no load of theirs is in flight."""
         req = self._requests.pop(req_id, None)
         if req is None:
             return
-        for hold in req.holds:
+        for hold in list(req.holds):
             if hold.loading == 0:
                 self._release(req, hold)
 
@@ -147,8 +170,7 @@ class TierSide:
             if hold is None:
                 return MISS
             return HIT if hold.live and key in hold.pages and hold.generation == self.link.generation else MISS
-        if key not in req.batch:
-            req.batch.append(key)
+        req.batch[key] = None  # a dict: a long prompt's first scan stays linear
         return RETRY
 
     def _settle(self, req: _Request, hold: _Hold) -> bool:
@@ -158,7 +180,7 @@ class TierSide:
         if not hold.future.done():
             if self.clock() - hold.sent_at < self.lookup_wait:
                 return False
-            self._give_up(hold)  # served without the tier; released when the answer comes
+            self._release(req, hold)  # served without the tier; released when the answer comes
             self.link.record(lambda r: r.fail("lookup"))
             for key in hold.keys:
                 req.answers[key] = None
@@ -171,13 +193,16 @@ class TierSide:
                 log.warning("kvpool tier: a lookup failed: %s", exc)
             self.link.record(lambda r: r.fail("lookup"))
             hold.live = False
+            req.holds.remove(hold)
             for key in hold.keys:
                 req.answers[key] = None
             return True
         hold.generation, hold.epoch, hold.fence = gen, result.epoch, result.fence
         hits = result.cached_tokens // self.page_size
         hold.pages = dict(zip(hold.keys[:hits], result.page_ids[:hits], strict=True))
-        hold.live = bool(result.page_ids)  # nothing cached: no sequence was made
+        if not result.page_ids:  # nothing cached: no sequence was made
+            hold.live = False
+            req.holds.remove(hold)
         if self.link.events is not None and hits:
             self.link.events.held(hold.keys, hits, None)
         for key in hold.keys:
@@ -186,11 +211,12 @@ class TierSide:
 
     def flush(self) -> None:
         """The step's end: one hold-only admission per request that asked about new keys."""
-        for req in self._requests.values():
+        for req_id, req in self._requests.items():
             if not req.batch:
                 continue
-            keys, req.batch = req.batch[: wire.MAX_BLOCKS], []
-            hold = _Hold(f"{self._prefix}-{next(self._ids)}", keys, self.clock())
+            keys = list(itertools.islice(req.batch, wire.MAX_BLOCKS))
+            req.batch = {}
+            hold = _Hold(req_id, f"{self._prefix}-{next(self._ids)}", keys, self.clock())
             if self.link.available():
                 meta = req.meta
                 hold.future = self.link.admit(wire.Admit(hold.seq_id, keys, len(keys) * self.page_size,
@@ -202,158 +228,170 @@ class TierSide:
                 for key in keys:
                     req.answers[key] = None
 
-    def _give_up(self, hold: _Hold) -> None:
-        future, hold.future = hold.future, None
-        hold.live = False
-        assert future is not None
-        self.link.release_when_answered(future, hold.seq_id)
-
     def _release(self, req: _Request, hold: _Hold) -> None:
+        """Let the hold go (once answered, when it is not yet) and forget its answers: a key asked again
+        later is asked anew."""
         if hold.future is not None:
-            self._give_up(hold)
+            future, hold.future = hold.future, None
+            self.link.release_when_answered(future, hold.seq_id)
         elif hold.live:
-            hold.live = False
             self.link.release(hold.seq_id, hold.generation)
-        for key in hold.pages:
+        hold.live = False
+        if hold in req.holds:
+            req.holds.remove(hold)
+        for key in hold.keys:
             if req.answers.get(key) is hold:
-                del req.answers[key]  # asked again later: asked anew
+                del req.answers[key]
+
+    # ---------------------------------------------------------------------------------- jobs
+    def _begin(self, job_id: int) -> None:
+        self._jobs.add(job_id)
+        with self._finishing:
+            self._unfinished.add(job_id)
+
+    def _finish(self, job_id: int, ok: list[bool], holds: list[_Hold] | None = None) -> None:
+        """Queue the job's result for :meth:`finished_jobs` (exactly once per job, from any thread)."""
+        self._done.put((Finished(job_id, ok), holds or []))
+        with self._finishing:
+            self._unfinished.discard(job_id)
+            self._finishing.notify_all()
 
     # --------------------------------------------------------------------------------- loads
     def submit_load(self, job_id: int, req_id: str, keys: list[bytes], chunks: list[int]) -> None:
         """Copy the held pages of ``keys`` into primary ``chunks``, off this thread."""
-        req = self._request(req_id)
-        self._jobs.add(job_id)
-        plan: list[tuple[int, int, int]] = []  # (index in the job, page, chunk)
-        holds: list[_Hold] = []
-        hold_of: _Hold | None = None
-        for i, (key, chunk) in enumerate(zip(keys, chunks, strict=True)):
-            hold = req.answers.get(key)
-            if hold is None or hold.future is not None or not hold.live or key not in hold.pages \
-                    or hold.generation != self.link.generation:
-                continue
-            if hold_of is not None and (hold.epoch, hold.fence) != (hold_of.epoch, hold_of.fence):
-                continue  # a second session's hold (a reconnect between lookups): recomputed
-            hold_of = hold
-            plan.append((i, hold.pages[key], chunk))
-            if hold not in holds:
-                holds.append(hold)
+        self._begin(job_id)
+        n = len(keys)
+        try:
+            req = self._request(req_id)
+            plan: list[tuple[int, int, int]] = []  # (index in the job, page, chunk)
+            holds: list[_Hold] = []
+            hold_of: _Hold | None = None
+            for i, (key, chunk) in enumerate(zip(keys, chunks, strict=True)):
+                hold = req.answers.get(key)
+                if hold is None or hold.future is not None or not hold.live or key not in hold.pages \
+                        or hold.generation != self.link.generation:
+                    continue
+                if hold_of is not None and (hold.epoch, hold.fence) != (hold_of.epoch, hold_of.fence):
+                    continue  # a second session's hold (a reconnect between lookups): recomputed
+                hold_of = hold
+                plan.append((i, hold.pages[key], chunk))
+                if not any(h is hold for h in holds):
+                    holds.append(hold)
+            epoch, fence = (hold_of.epoch, hold_of.fence) if hold_of is not None else (None, None)
+            self._load_lane.submit(self._load, job_id, n, plan, epoch, fence, holds)
+        except Exception:
+            log.exception("kvpool tier: a load of %d chunks could not start: vLLM recomputes them", n)
+            self.link.record(lambda r: r.fail("load"))
+            self._finish(job_id, [False] * n)
+            return
         for hold in holds:
             hold.loading += 1
-        epoch, fence = (hold_of.epoch, hold_of.fence) if hold_of is not None else (None, None)
-        copy = self._lane.submit(self._load, job_id, len(keys), plan, epoch, fence, holds)
-        with self._lock:
-            self._copies.append(copy)
 
     def _load(self, job_id: int, n: int, plan: list[tuple[int, int, int]], epoch: int | None,
               fence: tuple[int, int] | None, holds: list[_Hold]) -> None:
+        """On the load lane: the copy, then the fence checked (nothing read was handed on meanwhile)."""
         ok = [False] * n
         try:
-            if plan and epoch is not None:
-                mapped = self._mapping(epoch)
-                if mapped is not None:
-                    pages = torch.tensor([p for _, p, _ in plan], dtype=torch.int64)
-                    chunks = torch.tensor([c for _, _, c in plan], dtype=torch.int64)
-                    self.primary.index_copy_(0, chunks, _rows(mapped).index_select(0, pages))
-                    mapped.check(fence)  # nothing read was handed on meanwhile
-                    for i, _, _ in plan:
-                        ok[i] = True
-                    moved = Report(loaded_tokens=len(plan) * self.page_size)
-                    self.link.record(lambda r: r.merge(moved))
-        except (StaleHandle, RuntimeError, IndexError, OSError) as exc:
-            log.warning("kvpool tier: loading %d chunks failed (%s): vLLM recomputes them", len(plan), exc)
+            mapped = self._load_lane.mapping(epoch) if plan and epoch is not None else None
+            if mapped is not None:
+                copy_rows(self.primary, [c for _, _, c in plan], rows(mapped), [p for _, p, _ in plan])
+                mapped.check(fence)
+                for i, _, _ in plan:
+                    ok[i] = True
+                moved = Report(loaded_tokens=len(plan) * self.page_size)
+                self.link.record(lambda r: r.merge(moved))
+        except Exception as exc:  # whatever raised, the job is reported: vLLM recomputes what failed
+            _failed(exc, "loading %d chunks failed: vLLM recomputes them", len(plan))
             ok = [False] * n
-        if not all(ok):
-            self.link.record(lambda r: r.fail("load"))
-        self._done.put((Finished(job_id, ok), holds))
+        finally:
+            if not all(ok):
+                self.link.record(lambda r: r.fail("load"))
+            self._finish(job_id, ok, holds)
 
     # -------------------------------------------------------------------------------- stores
     def submit_store(self, job_id: int, req_id: str, keys: list[bytes], chunks: list[int]) -> None:
         """Admit ``keys``, copy primary ``chunks`` into the pages the pool lacks, then commit: off this
-        thread (the admission's answer starts the copy on the lane)."""
-        self._jobs.add(job_id)
-        req = self._requests.get(req_id)
-        meta = req.meta if req is not None else self.default_meta
-        keys, chunks = keys[: wire.MAX_BLOCKS], chunks[: wire.MAX_BLOCKS]
-        if not keys or not self.link.available():
-            self._done.put((Finished(job_id, [False] * len(keys)), []))
+        thread (the admission's answer starts the copy on the store lane)."""
+        self._begin(job_id)
+        n = len(keys)
+        try:
+            req = self._requests.get(req_id)
+            meta = req.meta if req is not None else self.default_meta
+            keys, chunks = keys[: wire.MAX_BLOCKS], chunks[: wire.MAX_BLOCKS]
+            if not keys or not self.link.available():
+                self._finish(job_id, [False] * n)
+                return
+            seq_id = f"{self._prefix}-{next(self._ids)}"
+            future = self.link.admit(wire.Admit(seq_id, keys, len(keys) * self.page_size,
+                                                wire.Meta(**meta) if meta else None))
+        except Exception:
+            log.exception("kvpool tier: a store of %d chunks could not start", n)
+            self.link.record(lambda r: r.fail("save"))
+            self._finish(job_id, [False] * n)
             return
-        seq_id = f"{self._prefix}-{next(self._ids)}"
-        future = self.link.admit(wire.Admit(seq_id, keys, len(keys) * self.page_size,
-                                            wire.Meta(**meta) if meta else None))
-        with self._lock:
-            self._stores.append(future)
-        future.add_done_callback(lambda f: self._admitted(f, job_id, seq_id, keys, chunks))
+        future.add_done_callback(lambda f: self._admitted(f, job_id, n, seq_id, keys, chunks))
 
-    def _admitted(self, future: Future, job_id: int, seq_id: str, keys: list[bytes], chunks: list[int]) -> None:
-        """On the link's thread: the store's admission answered."""
+    def _admitted(self, future: Future, job_id: int, n: int, seq_id: str, keys: list[bytes],
+                  chunks: list[int]) -> None:
+        """On the link's thread: the store's admission answered; its copy goes to the store lane."""
         try:
             gen, result = future.result()
         except Exception as exc:
             if isinstance(exc, OpFailed):
                 log.warning("kvpool tier: a store's admission failed: %s", exc)
             self.link.record(lambda r: r.fail("save"))
-            self._done.put((Finished(job_id, [False] * len(keys)), []))
+            self._finish(job_id, [False] * n)
             return
-        copy = self._lane.submit(self._store, job_id, seq_id, gen, result, keys, chunks)
-        with self._lock:
-            self._copies.append(copy)
-
-    def _store(self, job_id: int, seq_id: str, gen: int, result: wire.Admitted, keys: list[bytes],
-               chunks: list[int]) -> None:
-        hits = result.cached_tokens // self.page_size
-        fresh = result.page_ids[hits:]
-        admitted = len(result.page_ids)  # fewer than asked under pressure: the rest is not stored
-        written = False
         try:
-            mapped = self._mapping(result.epoch) if result.epoch is not None else None
-            if mapped is not None and gen == self.link.generation:
-                src = chunks[hits:admitted]
-                per = max(1, SLICE_BYTES // self.page_bytes)
-                for at in range(0, len(fresh), per):  # each slice under the session's lock, checked first
-                    pages = torch.tensor(fresh[at : at + per], dtype=torch.int64)
-                    rows = self.primary.index_select(0, torch.tensor(src[at : at + per], dtype=torch.int64))
-                    with mapped.writing(result.fence):
-                        _rows(mapped).index_copy_(0, pages, rows)
-                mapped.check(result.fence)
-                written = True
-        except (StaleHandle, RuntimeError, IndexError, OSError) as exc:
-            log.warning("kvpool tier: storing %d chunks failed (%s)", len(fresh), exc)
-        if written:  # committed after the bytes, before the release; announced once published
-            events = self.link.events
-            announce = None if events is None else (lambda total: events.held(keys, total, None))
-            self.link.commit(seq_id, admitted * self.page_size, gen, announce)
-            moved = Report(saved_tokens=len(fresh) * self.page_size)
-            self.link.record(lambda r: r.merge(moved))
-        else:
+            self._lane.submit(self._store, job_id, n, seq_id, gen, result, keys, chunks)
+        except Exception as exc:  # a lane shut down: the admission goes back, the job fails
+            _failed(exc, "storing %d chunks could not start", len(keys))
             self.link.record(lambda r: r.fail("save"))
-        self.link.release(seq_id, gen)
-        self._done.put((Finished(job_id, [written and i < admitted for i in range(len(keys))]), []))
+            self.link.release(seq_id, gen)
+            self._finish(job_id, [False] * n)
 
-    # ------------------------------------------------------------------------------ the lane
-    def _mapping(self, epoch: int) -> AttachedKV | None:
-        """The pool of ``epoch``, mapped (on the lane: a remap blocks no scheduler step)."""
-        mapped = self._mapped
-        if mapped is not None and mapped.epoch == epoch:
-            return mapped
+    def _store(self, job_id: int, n: int, seq_id: str, gen: int, result: wire.Admitted, keys: list[bytes],
+               chunks: list[int]) -> None:
+        """On the store lane: the fresh pages written in slices of at most ``SLICE_BYTES``, each under the
+        session's lock with the fence checked first, then committed (published) and released, in that
+        order; whatever raises, the admission is released and the job reported."""
+        ok = [False] * n
         try:
-            welcome = self.welcome()
+            hits = result.cached_tokens // self.page_size
+            admitted = len(result.page_ids)  # fewer than asked under pressure: the rest is not stored
+            fresh = result.page_ids[hits:]
+            written = False
+            try:
+                mapped = self._lane.mapping(result.epoch) if result.epoch is not None else None
+                if mapped is not None and gen == self.link.generation:
+                    src, pages = chunks[hits:admitted], rows(mapped)
+                    per = max(1, SLICE_BYTES // self.page_bytes)
+                    for at in range(0, len(fresh), per):
+                        with mapped.writing(result.fence):
+                            copy_rows(pages, fresh[at : at + per], self.primary, src[at : at + per])
+                    mapped.check(result.fence)
+                    written = True
+            except Exception as exc:
+                _failed(exc, "storing %d chunks failed", len(fresh))
+            if written:  # committed after the bytes, before the release; announced once published
+                events = self.link.events
+                announce = None if events is None else (lambda total: events.held(keys, total, None))
+                self.link.commit(seq_id, admitted * self.page_size, gen, announce)
+                moved = Report(saved_tokens=len(fresh) * self.page_size)
+                self.link.record(lambda r: r.merge(moved))
+                ok = [i < admitted for i in range(n)]
+            else:
+                self.link.record(lambda r: r.fail("save"))
         except Exception as exc:
-            log.warning("kvpool tier: the pool could not be mapped: %s", exc)
-            return None
-        if welcome.storage is None or welcome.storage.get("epoch") != epoch:
-            return None
-        fresh = KVStorage.attach(welcome.storage)
-        if _rows(fresh).shape[1] != self.page_bytes:
-            fresh.close()
-            log.error("kvpool tier: the sidecar's pages hold %d bytes, vLLM's chunks %d: not used",
-                      _rows(fresh).shape[1], self.page_bytes)
-            return None
-        self._mapped = fresh
-        if mapped is not None:
-            mapped.close()
-        return fresh
+            _failed(exc, "storing %d chunks failed", len(keys))
+            ok = [False] * n
+        finally:
+            try:
+                self.link.release(seq_id, gen)
+            finally:
+                self._finish(job_id, ok)
 
-    # --------------------------------------------------------------------------------- jobs
+    # ------------------------------------------------------------------------------ reports
     def finished_jobs(self) -> list[Finished]:
         """Jobs done since the last call; the holds their loads read are released here."""
         out = []
@@ -367,42 +405,32 @@ class TierSide:
             for hold in holds:
                 hold.loading -= 1
                 if hold.loading == 0:
-                    owner = next((r for r in self._requests.values() if hold in r.holds), None)
-                    self._release(owner or _Request({}), hold)
-        with self._lock:
-            self._copies = [f for f in self._copies if not f.done()]
-            self._stores = [f for f in self._stores if not f.done()]
+                    self._release(self._requests.get(hold.req_id) or _Request({}), hold)
         return out
 
     def pending(self) -> bool:
         return bool(self._jobs)
 
-    def drain(self, timeout: float | None = None) -> None:
-        """Until every submitted job has finished (a store's admission answers or fails within the link's
-        timeout, then its copy runs)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                waiting = [f for f in self._stores + self._copies if not f.done()]
-            if not waiting:
-                return
-            for f in waiting:
-                try:
-                    f.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
-                except FutureTimeout:
-                    return
+    def drain(self, timeout: float | None = None) -> bool:
+        """Until every submitted job's result is queued for :meth:`finished_jobs` (a store's admission
+        answers or fails within the link's timeout, then its copy runs); False if ``timeout`` passed
+        first."""
+        with self._finishing:
+            return self._finishing.wait_for(lambda: not self._unfinished, timeout)
 
     def close(self) -> None:
-        self.drain(timeout=self.link.timeout + 1)
-        self._lane.shutdown(wait=True)
-        if self._mapped is not None:
-            self._mapped.close()
-            self._mapped = None
+        if not self.drain(timeout=self.link.timeout + 1):
+            log.warning("kvpool tier: closing with %d jobs unfinished", len(self._unfinished))
+        self._lane.close()
+        self._load_lane.close()
         self.primary = torch.empty((0, self.page_bytes), dtype=torch.uint8)  # vLLM unmaps its region next
         self.link.close()
 
 
-def _rows(mapped: AttachedKV) -> torch.Tensor:
-    """The pool's pages as rows of bytes."""
-    kv = mapped.kv
-    return kv.view(kv.shape[0], -1).view(torch.uint8)
+def _failed(exc: BaseException, what: str, n: int) -> None:
+    """Log a copy that failed: a warning when the pool moved or the link went (expected), with the
+    traceback for anything else (a bug, still reported as a failed job)."""
+    if isinstance(exc, EXPECTED):
+        log.warning("kvpool tier: " + what + " (%s)", n, exc)
+    else:
+        log.exception("kvpool tier: " + what + " (unexpected)", n)
