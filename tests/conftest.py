@@ -8,20 +8,13 @@ import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-SHM = "/dev/shm"
-
 
 @pytest.fixture(autouse=True, scope="session")
 def _no_segments_left_behind() -> Iterator[None]:
-    """A named sidecar's exit may leave its pool's segment for its restart to take over (a SIGKILL, or a SIGTERM
-    while an engine maps it); the tests'
-    sidecars are all gone at the end of the session, so the segments they left are removed then."""
-    prefix = f"kvpool-{socket.gethostname()}-"
-    before = {n for n in os.listdir(SHM) if n.startswith(prefix)}
+    """A named sidecar's exit may leave its pool's segment for its restart to take over (a SIGKILL, or a
+    SIGTERM while an engine maps it); at the end of the session those the tests' sidecars left are
+    removed (a segment a sidecar or an engine still holds, another session's, stays)."""
     yield
-    for name in os.listdir(SHM):
-        if name.startswith(prefix) and name not in before:
-            try:
-                os.unlink(os.path.join(SHM, name))
-            except FileNotFoundError:
-                pass
+    from kvpool_sidecar.storage.segment import release_instance
+
+    release_instance("", prefix=f"kvpool-{socket.gethostname()}-")

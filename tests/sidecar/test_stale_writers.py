@@ -338,3 +338,24 @@ def test_a_save_stalled_across_a_sidecar_restart_lands_before_the_new_pool_serve
                 proc.kill()
                 proc.wait()
         release_instance(instance_name(port))
+
+
+def test_releasing_an_instance_removes_only_what_no_sidecar_or_engine_holds():
+    """release_instance (tools, tests) removes a leftover segment, never one a running sidecar owns or an
+    engine maps: a concurrent run of the same tools keeps its pools."""
+    instance = f"test-{secrets.token_hex(4)}"
+    prefix = f"kvpool-{instance}-"
+    storage = KVStorage(SHAPE, PS, pages=2, shared=True, instance=instance)
+    try:
+        release_instance(instance)
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(prefix)], "a running sidecar's pool was removed"
+        engine = KVStorage.attach(storage.handle())
+        storage.close()  # a SIGTERM beside an engine: the segment stays for the restart
+        release_instance(instance)
+        assert [n for n in os.listdir("/dev/shm") if n.startswith(prefix)], "an engine's mapping was removed"
+        engine.close()
+        release_instance(instance)
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+    finally:
+        storage.close()
+        release_instance(instance)

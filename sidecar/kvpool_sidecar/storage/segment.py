@@ -58,14 +58,26 @@ def open_segment(instance: str | None, nbytes: int, pages: int,
     return shm, not instance, False
 
 
-def release_instance(instance: str) -> None:
-    """Remove the segment an exit of the named ``instance`` left behind (for a tool or a test that ran
-    a sidecar and is done with it: nothing of the instance may run or be restarted any more)."""
-    prefix = f"kvpool-{instance}-"
+def release_instance(instance: str, prefix: str | None = None) -> None:
+    """Remove the segments an exit of the named ``instance`` (of every instance whose segments start with
+    ``prefix``) left behind, for a tool or a test that ran a sidecar and is done with it; a segment a
+    sidecar or an engine still holds (any lock on its file) is left alone."""
+    prefix = prefix or f"kvpool-{instance}-"
     for name in os.listdir(SHM_DIR):
-        if name.startswith(prefix):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, name))
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue
+        try:
+            if lock_held(fd, 0, 1 << 62):
+                continue
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def take_over_stale_segment(prefix: str, nbytes: int, pages: int) -> shared_memory.SharedMemory | None:

@@ -31,9 +31,10 @@ Handshake (the engine's side is :meth:`KVStorage.attach`):
    the cleared fence and refuses the write: no write of an ended session lands in a page handed on,
    however long its thread was stalled between its check and its write.
 6. Every engine's mapping holds a shared lock on byte :data:`MAPPED_BYTE` for as long as it maps the
-   pool. A sidecar that stops (SIGTERM) leaves its segment, stamped with a dead epoch, while any engine
-   holds it, for its next run to take over, and unlinks it otherwise; after a SIGKILL there is no
-   clean-up, and the next run takes the segment over.
+   pool, and the sidecar one on :data:`OWNER_BYTE` while it runs (a segment with no lock held is a
+   leftover, :func:`.segment.release_instance`). A sidecar that stops (SIGTERM) leaves its segment,
+   stamped with a dead epoch, while any engine holds it, for its next run to take over, and unlinks it
+   otherwise; after a SIGKILL there is no clean-up, and the next run takes the segment over.
 
 The layout is versioned: :data:`LAYOUT` is in the magic number and in every handle, and any change to
 the header or to how pages are laid out changes it (and the channel's ``wire.PROTOCOL``), so that an
@@ -76,6 +77,7 @@ SLICE_BYTES = 32 << 20
 # stopped mid-copy (SIGSTOP, swapped out), and serving its pages could let its write land in them.
 TAKEOVER_WAIT = 10.0
 MAPPED_BYTE = FENCE_SLOTS  # the lock every engine's mapping holds (the slots' locks are bytes 0 .. FENCE_SLOTS - 1)
+OWNER_BYTE = FENCE_SLOTS + 1  # the lock the sidecar that owns the pool holds while it runs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 if hasattr(torch, "float8_e4m3fn"):
@@ -172,6 +174,7 @@ class KVStorage:
             self._shm.buf[FENCE_OFFSET:HEADER_BYTES] = bytes(HEADER_BYTES - FENCE_OFFSET)  # no session yet
             HEADER.pack_into(self._shm.buf, 0, MAGIC, self.epoch)  # from here every old writer refuses
             self._locks = os.open(segment.shm_path(self._shm), os.O_RDWR)
+            segment.set_lock(self._locks, fcntl.F_RDLCK, OWNER_BYTE)  # in use: never released as a leftover
             if taken_over:
                 try:
                     self._await_old_writers(takeover_wait)
