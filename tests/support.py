@@ -102,8 +102,9 @@ def kubelet_projection(root: Path, data: dict, version: int) -> None:
         link.symlink_to("..data/config.yaml")
 
 
-def run_in_small_shm(driver: Path, *args: object, timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run ``driver`` in a mount namespace of its own whose /dev/shm is a 64 MiB tmpfs (a pod's memory
+def run_in_small_shm(driver: Path, *args: object, timeout: float = 240,
+                     size: str = "64m") -> subprocess.CompletedProcess:
+    """Run ``driver`` in a mount namespace of its own whose /dev/shm is a tmpfs of ``size`` (a pod's memory
     volume), with the tests' own modules importable; skips where unshare(1) or the mount is not allowed."""
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1) (util-linux) to give the test a /dev/shm of its own")
@@ -111,7 +112,7 @@ def run_in_small_shm(driver: Path, *args: object, timeout: float = 240) -> subpr
                            capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.strip()}")
-    script = (f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {driver} "
+    script = (f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} {driver} "
               + " ".join(str(a) for a in args))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,

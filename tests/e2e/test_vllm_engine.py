@@ -428,3 +428,16 @@ def test_connector_state_is_released_with_the_requests(stack):
     while (stats := sidecar.get("/v1/stats"))["sequences"] or stats["in_use_pages"]:
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)
+
+
+def test_a_sidecar_stopped_then_killed_beside_a_real_engine_restarts_in_a_nearly_full_shm_volume(tmp_path):
+    """Issue 65, through a real vLLM: a 1 GiB tmpfs on /dev/shm (a mount namespace of its own) holds vLLM's
+    own shared-memory queues and a pool of two thirds of what they leave. The sidecar is stopped (SIGTERM),
+    then killed -9, beside the engine: each restart starts in that volume (a second pool would not fit),
+    and the engine saves and loads through it with vLLM's own tokens (tests/e2e/engine_shm_restart.py)."""
+    from pathlib import Path
+
+    from support import run_in_small_shm
+
+    out = run_in_small_shm(Path(__file__).with_name("engine_shm_restart.py"), tmp_path, timeout=420, size="1g")
+    assert out.returncode == 0 and "restarted and served" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
