@@ -359,3 +359,38 @@ def test_releasing_an_instance_removes_only_what_no_sidecar_or_engine_holds():
     finally:
         storage.close()
         release_instance(instance)
+
+
+def test_a_pool_gone_mid_step_fails_the_steps_loads_and_leaks_no_lock():
+    """The sidecar stops or restarts during a step that loads: the worker unmaps the dead pool when the
+    step saves, and the step's loads are then reported failed (recomputed), not an error in the engine.
+    A handle fetched just before a restart fails to attach and leaves no lock on the segment."""
+    path = socket_path()
+    storage = KVStorage(SHAPE, PS, pages=4, shared=True)
+    with live_sidecar(CONFIG, pages=4, storage=storage, engine_socket=path):
+        worker = WorkerSide(welcome_of(path), engine_layers(engine_kv(6, "cpu"), 6), PS)
+        worker.attach(strict=True)
+        epoch = storage.epoch
+        worker.start_loads([LoadJob("r", epoch, [0], [1])])
+        worker.wait_layer("layer.0")
+        HEADER.pack_into(storage._shm.buf, 0, tensors_module.MAGIC, 0)  # the pool goes mid-step
+        worker.save(StepPlan(step=1))  # wait_for_save: the dead pool is unmapped
+        worker.copies.submit(lambda: None).result()
+        assert worker.finish_loads() == {1}  # get_block_ids_with_load_errors: recomputed
+        handle = storage.handle()
+        with pytest.raises(StaleHandle):
+            KVStorage.attach(handle)  # the header says another epoch: refused
+        assert not storage.writers_on(tensors_module.MAPPED_BYTE)  # and no mapping lock left behind
+        HEADER.pack_into(storage._shm.buf, 0, tensors_module.MAGIC, epoch)
+        worker.close()
+    storage.close()
+
+
+def test_a_host_row_move_outside_its_tensor_is_refused_not_skipped():
+    from kvpool_sidecar.storage import reference
+
+    src, dst = torch.ones((4, 8)), torch.zeros((4, 8))
+    for bad_src, bad_dst in (([0], [4]), ([0], [-1]), ([4], [0])):
+        with pytest.raises(IndexError):
+            reference.move_rows(src, torch.tensor(bad_src), dst, torch.tensor(bad_dst))
+    assert not dst.any()

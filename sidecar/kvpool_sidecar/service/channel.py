@@ -267,7 +267,7 @@ class EngineChannel:
             await asyncio.sleep(delay)
         sc = self.sidecar
         waited = 0.0
-        while slot is not None and sc.storage is not None and sc.storage.writers_on(slot):
+        while slot is not None and sc.storage is not None and sc.storage.ended_writers_on(slot):
             if waited == 0.0:
                 log.warning("an ended engine session's writer is still in the middle of a copy: its pages stay out "
                             "of circulation until that copy ends or its process exits")

@@ -31,7 +31,11 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     if src.device.type != "cpu" or dst.device.type != "cpu":
         dst[dst_rows.long()] = src[src_rows.long()]
         return
-    for s, d, n in row_runs(src_rows.tolist(), dst_rows.tolist()):
+    src_ids, dst_ids = src_rows.tolist(), dst_rows.tolist()
+    for ids, rows, side in ((src_ids, src, "source"), (dst_ids, dst, "destination")):
+        if ids and (min(ids) < 0 or max(ids) >= rows.shape[0]):  # a slice would copy nothing, silently
+            raise IndexError(f"a {side} row is outside [0, {rows.shape[0]})")
+    for s, d, n in row_runs(src_ids, dst_ids):
         dst[d : d + n].copy_(src[s : s + n])
 
 

@@ -100,7 +100,9 @@ def take_over_stale_segment(prefix: str, nbytes: int, pages: int) -> shared_memo
         grow = nbytes - os.stat(path).st_size
         if grow > 0:  # a larger pool than before: the growth must fit beside what the file holds
             memory.check_fits(grow, memory.shm_free_bytes(SHM_DIR), memory.cgroup_room(), pages)
-        os.truncate(path, nbytes)
+            os.truncate(path, nbytes)
+        # Never shrunk: an engine still mapping the old pool, mid-slice, would SIGBUS past a new end (a
+        # smaller pool uses the file's first bytes until no engine maps it and a restart makes a new one).
         memory.reserve(path, nbytes)
         return open_untracked(names[0])
     except FileNotFoundError:

@@ -265,6 +265,12 @@ class KVStorage:
         FENCE.pack_into(self._shm.buf, FENCE_OFFSET + fence[0] * FENCE.size, 0)
         del self._fences[fence[0]]
 
+    def ended_writers_on(self, slot: int) -> bool:
+        """Whether a writer of the ended session that held fence slot ``slot`` may still be mid-slice:
+        False once the slot serves another session (it is reopened only when no lock is held on it after
+        the clear, so every writer of the ended session was done or will be refused)."""
+        return slot not in self._fences and self.writers_on(slot)
+
     def writers_on(self, slot: int) -> bool:
         """Whether a writer is in the middle of a slice under fence slot ``slot`` (it holds the slot's
         lock: it checked the fence before it was cleared, and its write may still land)."""
@@ -324,7 +330,11 @@ class KVStorage:
                 "fetch a new handle"
             ) from None
         attached = AttachedKV(shm, _tensor_on(shm, dims, shape.torch_dtype), handle["epoch"])
-        attached.check()
+        try:
+            attached.check()
+        except BaseException:  # a pool restarted meanwhile: nothing of this mapping (its lock) stays
+            attached.close()
+            raise
         return attached
 
     def close(self) -> None:
@@ -360,8 +370,13 @@ class AttachedKV:
         self.epoch = epoch
         # Its own open file description: a lock belongs to the description, so two mappings in one
         # process (or this one and the sidecar's) never merge or drop each other's locks.
+        self.closed = False
         self._locks = os.open(segment.shm_path(shm), os.O_RDWR)
-        segment.set_lock(self._locks, fcntl.F_RDLCK, MAPPED_BYTE)  # held while mapped (module doc, 6)
+        try:
+            segment.set_lock(self._locks, fcntl.F_RDLCK, MAPPED_BYTE)  # held while mapped (module doc, 6)
+        except OSError:
+            os.close(self._locks)
+            raise
         self._writing = threading.Lock()  # one slice at a time through this mapping (the lock is per slot)
 
     @contextlib.contextmanager
@@ -383,7 +398,10 @@ class AttachedKV:
 
     def check(self, fence: tuple[int, int] | None = None) -> None:
         """Raise :class:`StaleHandle` unless this mapping's pool is the sidecar's live one and, given a
-        session's ``fence`` (slot, value), :class:`Fenced` unless that session is still connected."""
+        session's ``fence`` (slot, value), :class:`Fenced` unless that session is still connected (and
+        :class:`StaleHandle` once this mapping is closed: a job queued on it fails, it reads nothing)."""
+        if self.closed:
+            raise StaleHandle("this mapping of the pool was closed (its pool is gone): fetch a new handle")
         magic, epoch = HEADER.unpack_from(self._shm.buf, 0)
         if magic != MAGIC and magic & ~0xFF == MAGIC_BASE & ~0xFF:
             raise LayoutMismatch(f"the pool's segment has layout {(magic & 0xFF) - 0x30}, this engine's kvpool "
@@ -398,9 +416,14 @@ class AttachedKV:
                              "writer's by now")
 
     def close(self) -> None:
+        """Unmap. torch's views hold no export of the buffer, so nothing may use :attr:`kv` after this:
+        the worker and the tier close a mapping only after every copy queued on it."""
+        if self.closed:
+            return
+        self.closed = True
         del self.kv
         os.close(self._locks)
-        with contextlib.suppress(BufferError):  # a view still holds the mapping: it goes with the last view
+        with contextlib.suppress(BufferError):
             self._shm.close()
 
 
