@@ -82,7 +82,7 @@ def release_instance(instance: str, prefix: str | None = None) -> None:
 
 def take_over_stale_segment(prefix: str, nbytes: int, pages: int) -> shared_memory.SharedMemory | None:
     """The segment an earlier run of this instance left (a SIGKILL leaves it, a SIGTERM while an engine
-    maps it), resized to ``nbytes`` and its pages allocated, for the caller to stamp with its own epoch;
+    maps it), grown to ``nbytes`` (never shrunk) and its pages allocated, for the caller to stamp with its own epoch;
     None when there is none. Any others are unlinked. An engine still mapping the old pool shares the
     file's pages instead of holding a second copy of them in the shm volume; its next job names the new
     epoch and remaps."""
