@@ -59,6 +59,22 @@ def stalled_slices(monkeypatch):
         gate.set()
 
 
+def stall_a_store(one, started: threading.Event) -> None:
+    """Engine one stores two chunks; returns once its copy has locked, checked and stalled."""
+    store(one, "r1", keys("stalled", 2), fill=3)
+    steps_until(one, started.is_set, "the store never reached its write")
+
+
+def promoted(m, req: str, ks: list) -> list[int]:
+    """What engine ``m`` reads after promoting ``ks`` from kvpool (every key must be a HIT)."""
+    ctx = ReqContext(req)
+    m.on_new_request(ctx)
+    assert lookups(m, ctx, ks) == [LookupResult.HIT] * len(ks)
+    out = loaded_bytes(m, ctx, ks)
+    m.on_request_finished(ctx)
+    return out
+
+
 def test_a_store_stalled_between_its_check_and_its_write_keeps_its_pages_until_it_is_done(tier_sidecar, monkeypatch):
     """The tier's store has locked and checked, and stalls before its write; its link fails and the
     sidecar's quarantine (2 s) runs out: the pages stay out of circulation while the writer holds its
@@ -68,8 +84,7 @@ def test_a_store_stalled_between_its_check_and_its_write_keeps_its_pages_until_i
     one, two = manager("e1", sidecar), manager("e2", sidecar)
     try:
         with stalled_slices(monkeypatch) as (started, gate):
-            store(one, "r1", keys("stalled", 2), fill=3)
-            steps_until(one, started.is_set, "the store never reached its write")
+            stall_a_store(one, started)
             one.secondary_tiers[0].side.link._conn.sock.close()  # the session ends, its fence is cleared
             steps_until(one, lambda: sidecar.metric("kvpool_engine_lapsed_sequences_total") == 1, "never lapsed")
             time.sleep(3)  # past the quarantine
@@ -83,13 +98,9 @@ def test_a_store_stalled_between_its_check_and_its_write_keeps_its_pages_until_i
             steps_until(one, lambda: not one.has_pending_work(), "the stalled store was never reported")
             steps_until(one, lambda: sidecar.get("/v1/stats")["sequences"] == 0, "its pages never went back")
             assert sidecar.get("/v1/stats")["cached_pages"] == 2  # nothing of the dead session published
-        ctx = ReqContext("r3")
         three = manager("e3", sidecar)
         try:
-            three.on_new_request(ctx)
-            assert lookups(three, ctx, ks) == [LookupResult.HIT] * 2
-            assert loaded_bytes(three, ctx, ks) == [40, 41]
-            three.on_request_finished(ctx)
+            assert promoted(three, "r3", ks) == [40, 41]
         finally:
             three.shutdown()
     finally:
@@ -105,8 +116,7 @@ def test_a_store_stalled_across_a_sidecar_restart_lands_before_the_new_pool_serv
     one, two = manager("e1", sidecar), manager("e2", sidecar)
     try:
         with stalled_slices(monkeypatch) as (started, gate):
-            store(one, "r1", keys("stalled", 2), fill=3)
-            steps_until(one, started.is_set, "the store never reached its write")
+            stall_a_store(one, started)
             sidecar.kill()
             restart = threading.Thread(target=sidecar.start)
             restart.start()
@@ -126,11 +136,7 @@ def test_a_store_stalled_across_a_sidecar_restart_lands_before_the_new_pool_serv
                 break
             assert time.monotonic() < deadline, "the tier never stored through the restarted sidecar"
             time.sleep(0.2)
-        ctx = ReqContext("r2")
-        two.on_new_request(ctx)
-        assert lookups(two, ctx, ks) == [LookupResult.HIT] * 2
-        assert loaded_bytes(two, ctx, ks) == [60, 61]
-        two.on_request_finished(ctx)
+        assert promoted(two, "r2", ks) == [60, 61]
     finally:
         one.shutdown()
         two.shutdown()

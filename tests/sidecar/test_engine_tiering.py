@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpool_sidecar.engines.hostcopy import copy_rows
 from kvpool_sidecar.engines.tiering import RETRY, TierSide
-from kvpool_sidecar.storage.reference import row_runs
+from kvpool_sidecar.storage.reference import copy_row_runs, row_runs
 
 
 class CountingKey(bytes):
@@ -55,11 +54,11 @@ def test_rows_move_in_runs_to_the_rows_named_and_nowhere_else():
     dst = torch.zeros((8, 4), dtype=torch.uint8)
     dst_ids, src_ids = [0, 1, 2, 6, 4, 5], [3, 4, 5, 0, 9, 8]
     assert row_runs(src_ids, dst_ids) == [(3, 0, 3), (0, 6, 1), (9, 4, 1), (8, 5, 1)]
-    copy_rows(dst, dst_ids, src, src_ids)
+    copy_row_runs(src, src_ids, dst, dst_ids)
     for d, s in zip(dst_ids, src_ids, strict=True):
         assert torch.equal(dst[d], src[s])
     assert not dst[[3, 7]].any()
     with pytest.raises(IndexError):
-        copy_rows(dst, [8], src, [0])
+        copy_row_runs(src, [0], dst, [8])
     with pytest.raises(IndexError):
-        copy_rows(dst, [0], src, [-1])
+        copy_row_runs(src, [-1], dst, [0])

@@ -48,6 +48,13 @@ def stalled_worker(path: str, kv: dict[str, torch.Tensor]) -> tuple[WorkerSide, 
     return worker, stall
 
 
+def mapped_worker(path: str) -> WorkerSide:
+    """An engine's worker (6 blocks of random KV) mapping the pool of the sidecar at ``path``."""
+    worker = WorkerSide(welcome_of(path), engine_layers(engine_kv(6, "cpu"), 6), PS)
+    worker.attach(strict=True)
+    return worker
+
+
 def save_and_commit(side: SchedulerSide, worker: WorkerSide, req: str, tag: str) -> list[int]:
     """One 3-page prompt saved by ``worker`` and committed; returns its pages."""
     wait_for(side, req, hashes(3, tag), 13, 0, None)
@@ -237,8 +244,7 @@ def test_an_engine_unmaps_a_pool_whose_epoch_is_gone_as_soon_as_a_job_names_it()
     path = socket_path()
     storage = KVStorage(SHAPE, PS, pages=4, shared=True)
     with live_sidecar(CONFIG, pages=4, storage=storage, engine_socket=path):
-        worker = WorkerSide(welcome_of(path), engine_layers(engine_kv(6, "cpu"), 6), PS)
-        worker.attach(strict=True)
+        worker = mapped_worker(path)
         mapped = worker._mapped
         assert mapped is not None
         epoch = storage.epoch
@@ -368,8 +374,7 @@ def test_a_pool_gone_mid_step_fails_the_steps_loads_and_leaks_no_lock():
     path = socket_path()
     storage = KVStorage(SHAPE, PS, pages=4, shared=True)
     with live_sidecar(CONFIG, pages=4, storage=storage, engine_socket=path):
-        worker = WorkerSide(welcome_of(path), engine_layers(engine_kv(6, "cpu"), 6), PS)
-        worker.attach(strict=True)
+        worker = mapped_worker(path)
         epoch = storage.epoch
         worker.start_loads([LoadJob("r", epoch, [0], [1])])
         worker.wait_layer("layer.0")

@@ -1,8 +1,8 @@
 """The tier's host-to-host copies (:mod:`.tiering`): rows moved in runs, on lanes that own their mapping.
 
 A job moves whole rows (a chunk of vLLM's primary tier, a page of the pool) between two host regions.
-:func:`copy_rows` copies each run of ids consecutive on both sides as one ``copy_`` (the runs are
-:func:`~kvpool_sidecar.storage.reference.row_runs`, the connector's host copies' too): memory speed, and no
+:func:`~kvpool_sidecar.storage.reference.copy_row_runs` (the connector's host copies' too) copies each run
+of ids consecutive on both sides as one ``copy_``: memory speed, and no
 temporary (``index_select`` + ``index_copy_`` gathers the whole job into a buffer of its size first, at
 about a tenth of the speed). A :class:`Lane` is one copy thread with its own mapping of the pool, so
 the load lane and the store lane never wait on each other, and one lane's remap (a restarted sidecar)
@@ -12,27 +12,17 @@ never closes a mapping the other is copying through.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from kvpool_sidecar import wire
-from kvpool_sidecar.storage import KVStorage, reference
+from kvpool_sidecar.storage import KVStorage
 from kvpool_sidecar.storage.tensors import AttachedKV
 
 log = logging.getLogger("kvpool.engine")
-
-
-def copy_rows(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
-    """``dst[dst_ids[i]] = src[src_ids[i]]`` for every i, a run at a time (rows may be strided: vLLM's
-    chunks without their padding); IndexError for an id outside its region, before anything is copied."""
-    for d, s in zip(dst_ids, src_ids, strict=True):
-        if not (0 <= d < dst.shape[0] and 0 <= s < src.shape[0]):
-            raise IndexError(f"row {s} -> {d} is outside the regions ({src.shape[0]} -> {dst.shape[0]} rows)")
-    for s, d, n in reference.row_runs(list(src_ids), list(dst_ids)):
-        dst[d : d + n].copy_(src[s : s + n])
 
 
 class Lane:

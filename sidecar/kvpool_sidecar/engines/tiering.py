@@ -53,10 +53,11 @@ from typing import Any
 import torch
 
 from kvpool_sidecar import wire
-from kvpool_sidecar.engines.hostcopy import Lane, copy_rows, rows
+from kvpool_sidecar.engines.hostcopy import Lane, rows
 from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLink
 from kvpool_sidecar.engines.scheduler import META_FIELDS
 from kvpool_sidecar.storage import StaleHandle
+from kvpool_sidecar.storage.reference import copy_row_runs
 from kvpool_sidecar.storage.tensors import SLICE_BYTES
 
 log = logging.getLogger("kvpool.engine")
@@ -294,7 +295,7 @@ class TierSide:
         try:
             mapped = self._load_lane.mapping(epoch) if plan and epoch is not None else None
             if mapped is not None:
-                copy_rows(self.primary, [c for _, _, c in plan], rows(mapped), [p for _, p, _ in plan])
+                copy_row_runs(rows(mapped), [p for _, p, _ in plan], self.primary, [c for _, _, c in plan])
                 mapped.check(fence)
                 for i, _, _ in plan:
                     ok[i] = True
@@ -368,7 +369,7 @@ class TierSide:
                     per = max(1, SLICE_BYTES // self.page_bytes)
                     for at in range(0, len(fresh), per):
                         with mapped.writing(result.fence):
-                            copy_rows(pages, fresh[at : at + per], self.primary, src[at : at + per])
+                            copy_row_runs(self.primary, src[at : at + per], pages, fresh[at : at + per])
                     mapped.check(result.fence)
                     written = True
             except Exception as exc:

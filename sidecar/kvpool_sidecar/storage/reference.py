@@ -6,6 +6,8 @@ all layers, so whole-page moves (copy, gather, scatter) are single contiguous ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -31,11 +33,17 @@ def move_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_
     if src.device.type != "cpu" or dst.device.type != "cpu":
         dst[dst_rows.long()] = src[src_rows.long()]
         return
-    src_ids, dst_ids = src_rows.tolist(), dst_rows.tolist()
+    copy_row_runs(src, src_rows.tolist(), dst, dst_rows.tolist())
+
+
+def copy_row_runs(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: Sequence[int]) -> None:
+    """``dst[dst_ids[i]] = src[src_ids[i]]`` between host tensors (rows may be strided), a run of rows
+    consecutive on both sides in one ``copy_``; IndexError for a row outside its tensor, before anything
+    is copied (a slice past the end would copy nothing, silently)."""
     for ids, rows, side in ((src_ids, src, "source"), (dst_ids, dst, "destination")):
-        if ids and (min(ids) < 0 or max(ids) >= rows.shape[0]):  # a slice would copy nothing, silently
+        if ids and (min(ids) < 0 or max(ids) >= rows.shape[0]):
             raise IndexError(f"a {side} row is outside [0, {rows.shape[0]})")
-    for s, d, n in row_runs(src_ids, dst_ids):
+    for s, d, n in row_runs(list(src_ids), list(dst_ids)):
         dst[d : d + n].copy_(src[s : s + n])
 
 
