@@ -178,6 +178,7 @@ def test_dashboard_and_rules_query_only_exported_metrics():
     every job a rule names is one the PodMonitors scrape."""
     dashboard = json.loads((MANIFESTS / "monitoring" / "dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
     exprs += [r["expr"] for g in rule_groups()["groups"] for r in g["rules"]]
     recorded = {r["record"] for g in rule_groups()["groups"] for r in g["rules"] if "record" in r}
     used = {m for e in exprs for m in re.findall(r"\b(kvpool_[a-z_]+|kvpool:[a-z0-9_:]+)", e)}
@@ -189,6 +190,81 @@ def test_dashboard_and_rules_query_only_exported_metrics():
             "kvpool_operator_policy_synced_pods", "kvpool_operator_reconcile_errors_total"} <= used
     jobs = {job for e in exprs for job in re.findall(r'\bjob="([^"]+)"', e)}
     assert jobs == {"kvpool-sidecar", "kvpool-operator"} and jobs <= set(scraped_containers().values())
+
+
+def dashboard() -> dict:
+    return json.loads((MANIFESTS / "monitoring" / "dashboard.json").read_text())
+
+
+# Each sidecar series a panel reads is filtered by the namespace and pod variables, and joined to the pods
+# whose sidecar runs the policies chosen (kvpool_config_info's `source`, one series a pod).
+PANEL_FILTER = '{namespace=~"$namespace", pod=~"$pod"}'
+POLICY_JOIN = ('* on (namespace, pod) group_left () max by (namespace, pod) '
+               '(kvpool_config_info{namespace=~"$namespace", pod=~"$pod", source=~"$policy"})')
+
+
+def test_every_dashboard_panel_follows_the_namespace_pod_and_policy_variables():
+    from kvpool_sidecar.service.metrics import SidecarMetrics
+
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    label_values = r"label_values\((kvpool_[a-z_]+)(\{.*\})?, ([a-z_]+)\)"
+    queried = {n: re.fullmatch(label_values, variables[n]["definition"]) for n in ("namespace", "policy", "pod")}
+    assert all(queried.values()), {n: variables[n]["definition"] for n in queried}
+    assert {n: m.group(3) for n, m in queried.items()} == {"namespace": "namespace", "policy": "source", "pod": "pod"}
+    # namespace and pod: what the PodMonitor's targets carry; source: the sidecar's own label
+    assert "source" in SidecarMetrics().config_info._labelnames
+    for name, variable in variables.items():
+        if variable["type"] == "query":
+            assert variable["query"]["query"] == variable["definition"], name
+            assert variable["multi"] and variable["includeAll"] and variable["allValue"] == ".*", name
+    for panel in dashboard()["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            series = [m for m in re.finditer(r"\bkvpool_[a-z_]+\b", expr) if m.group() != "kvpool_config_info"]
+            assert series, panel["title"]
+            for m in series:
+                after = expr[m.end():]
+                assert after.startswith(PANEL_FILTER), f"{panel['title']}: {m.group()} not filtered by namespace, pod"
+                after = re.sub(r"^\[\w+\]\)", "", after.removeprefix(PANEL_FILTER))  # rate(...[5m])
+                assert after.startswith(" " + POLICY_JOIN), f"{panel['title']}: {m.group()} not joined to $policy"
+
+
+@needs_promtool
+def test_a_panel_chosen_by_policy_counts_only_that_policys_pods(tmp_path):
+    """Prometheus itself evaluates two panels, with the variables as Grafana expands them: policy llm/chat
+    chosen, the pod of llm/batch beside it is left out of both a sum and a ratio."""
+    panels = {p["title"]: p["targets"][0]["expr"] for p in dashboard()["panels"]}
+    chosen = {"$namespace": ".*", "$pod": ".*", "$policy": "llm/chat"}
+
+    def expand(expr: str) -> str:
+        for name, value in chosen.items():
+            expr = expr.replace(name, value)
+        return expr
+
+    target = 'job="kvpool-sidecar", namespace="llm", container="kvpool-sidecar"'
+    series = []
+    for pod, source, cached, hits in (("a", "llm/chat", 10, 1), ("b", "llm/batch", 100, 0)):
+        labels = f'{target}, pod="{pod}"'
+        series += [
+            {"series": f'kvpool_config_info{{{labels}, hash="h{pod}", policy="lru", source="{source}"}}',
+             "values": "1x10"},
+            {"series": f'kvpool_pages{{{labels}, state="cached"}}', "values": f"{cached}x10"},
+            {"series": f'kvpool_hit_tokens_total{{{labels}, workload_class="toC", region="prefix"}}',
+             "values": f"0+{hits * 60}x10"},
+            {"series": f'kvpool_lookup_tokens_total{{{labels}, workload_class="toC", region="prefix"}}',
+             "values": "0+120x10"},
+        ]
+    tests = {"rule_files": [], "evaluation_interval": "1m", "tests": [{"interval": "1m", "input_series": series,
+             "promql_expr_test": [
+                 {"expr": expand(panels["Pages by state"]), "eval_time": "5m",
+                  "exp_samples": [{"labels": '{state="cached"}', "value": 10}]},
+                 {"expr": expand(panels["Token hit ratio by class"]), "eval_time": "5m",
+                  "exp_samples": [{"labels": '{workload_class="toC"}', "value": 0.5}]},
+             ]}]}
+    (tmp_path / "panels_test.yaml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    proc = subprocess.run(["promtool", "test", "rules", "panels_test.yaml"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_container_args_are_flags_the_cli_accepts():
