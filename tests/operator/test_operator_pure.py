@@ -78,7 +78,7 @@ def test_schema_and_model_reject_the_same_bounds():
         ({"pinning": {"quotaPercent": 90}}, "spec"),
         ({"selector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}},
          "spec.selector.matchExpressions.0.operator"),
-        ({"tenancy": {"sharedPrefixes": ["nothex"]}}, "spec.tenancy.sharedPrefixes"),
+        ({"tenancy": {"sharedPrefixes": ["nothex"]}}, "spec.tenancy.sharedPrefixes.0"),
         ({"learning": {"driftThresholdPercent": 0}}, "spec.learning.driftThresholdPercent"),
         ({"unknown": 1}, "spec.unknown"),
     ],
