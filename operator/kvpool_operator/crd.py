@@ -15,6 +15,8 @@ from typing import Any
 from kvpool_sidecar.config import API_GROUP, API_VERSION, KIND, MAX_PROMPT_TOKENS, KVCachePolicySpec
 from kvpool_sidecar.fields import DURATION_PATTERN, MAX_POLICY_NAME
 
+from kvpool_operator.status import MAX_CONDITION_MESSAGE
+
 PLURAL = "kvcachepolicies"
 SINGULAR = "kvcachepolicy"
 SHORT_NAMES = ["kvp"]
@@ -188,6 +190,10 @@ def spec_schema() -> dict[str, Any]:
     return schema
 
 
+# metav1.Condition's: a type is a qualified name, a reason CamelCase.
+CONDITION_TYPE = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                  r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$")
+CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
 STATUS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
@@ -199,23 +205,31 @@ STATUS_SCHEMA: dict[str, Any] = {
         "prompts": {
             "type": "array",
             "description": "each of pinning.prompts and the target pods that hold all of it pinned",
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
             "items": {
                 "type": "object",
                 "required": ["name", "pinnedPods"],
                 "properties": {"name": {"type": "string"}, "pinnedPods": {"type": "integer"}},
             },
         },
-        "conditions": {
+        "conditions": {  # metav1.Condition's schema, as the API conventions have it
             "type": "array",
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
             "items": {
                 "type": "object",
-                "required": ["type", "status"],
+                # As metav1.Condition: observedGeneration optional (an operator before it, in an upgrade or a
+                # rollback, writes conditions without it).
+                "required": ["type", "status", "lastTransitionTime", "reason", "message"],
                 "properties": {
-                    "type": {"type": "string"},
+                    "type": {"type": "string", "maxLength": 316, "pattern": CONDITION_TYPE},
                     "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-                    "reason": {"type": "string"},
-                    "message": {"type": "string"},
+                    "observedGeneration": {"type": "integer", "format": "int64", "minimum": 0,
+                                           "description": "the metadata.generation the condition was set for"},
                     "lastTransitionTime": {"type": "string", "format": "date-time"},
+                    "reason": {"type": "string", "minLength": 1, "maxLength": 1024, "pattern": CONDITION_REASON},
+                    "message": {"type": "string", "maxLength": MAX_CONDITION_MESSAGE},
                 },
             },
         },
@@ -248,6 +262,7 @@ def crd() -> dict[str, Any]:
                         {"name": "Valid", "type": "string", "jsonPath": _condition("Valid")},
                         {"name": "Ready", "type": "string", "jsonPath": _condition("Ready")},
                         {"name": "Synced", "type": "integer", "jsonPath": ".status.syncedPods"},
+                        {"name": "Targets", "type": "integer", "jsonPath": ".status.targetPods"},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
                     ],
                     "schema": {

@@ -10,12 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
+import jsonschema
 import pytest
 import yaml
 from admission import Admission
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvpool_operator.crd import LIST_TYPES, RULES, crd
+from kvpool_operator.crd import LIST_TYPES, RULES, STATUS_SCHEMA, crd
+from kvpool_operator.status import build_status
 from kvpool_sidecar.config import (
     API_GROUP,
     API_VERSION,
@@ -216,3 +218,25 @@ def test_every_check_of_the_model_is_a_rule_of_the_crd():
     assert checks - set(UNMIRRORED) <= mirrored, f"checks no CRD rule mirrors: {checks - set(UNMIRRORED) - mirrored}"
     assert mirrored - checks == {"load_policy"}  # the manifest's check of metadata.name; the rest are the model's
     assert {r.name for r in RULES if r.mirrors is None} == TRANSITION_RULES
+
+
+def test_status_conditions_follow_the_api_conventions():
+    """metav1.Condition's schema: each condition with the generation it was set for, a CamelCase reason, a
+    bounded message; one condition of a type."""
+    first = build_status(generation=3, config_hash="a", configmap="kvpool-chat", valid=(True, "Validated", "ok"),
+                         conflict=None, targets=2, synced=1)
+    bad = build_status(generation=5, config_hash="a", configmap="kvpool-chat",
+                       valid=(False, "InvalidSpec", "spec.pageSize: " + "x" * 40000), conflict=None, targets=2,
+                       synced=0, previous=first)
+    for generation, status in ((3, first), (5, bad)):
+        jsonschema.Draft4Validator(STATUS_SCHEMA).validate(status)
+        assert {c["observedGeneration"] for c in status["conditions"]} == {generation}
+        assert ADMISSION.errors({**policy({}), "status": status}) == []
+    # An operator from before observedGeneration (mid-upgrade, or rolled back) still writes its status.
+    older = [{k: v for k, v in c.items() if k != "observedGeneration"} for c in first["conditions"]]
+    jsonschema.Draft4Validator(STATUS_SCHEMA).validate({"conditions": older})
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft4Validator(STATUS_SCHEMA).validate(
+            {"conditions": [{**first["conditions"][0], "reason": "not camel case"}]})
+    twice = {"conditions": [first["conditions"][0]] * 2}
+    assert [e.path for e in ADMISSION.errors({**policy({}), "status": twice})] == ["status.conditions[1]"]

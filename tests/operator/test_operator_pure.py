@@ -41,7 +41,8 @@ def test_committed_crd_matches_the_model():
 def test_crd_shape():
     version = crd()["spec"]["versions"][0]
     assert crd()["spec"]["names"]["shortNames"] == ["kvp"] and version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Policy", "Valid", "Ready", "Synced", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Policy", "Valid", "Ready", "Synced", "Targets",
+                                                                          "Age"]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     weights = spec["properties"]["eviction"]["properties"]["weights"]["properties"]
     assert weights["reuse"] == {"type": "number", "minimum": 0, "maximum": 1, "default": 0.6,
