@@ -130,6 +130,8 @@ RULES: tuple[Rule, ...] = (
          "when it restarts)", None),
     Rule("a weight above 0", "eviction.weights", "self.reuse + self.locality + self.timeWindow > 0.0",
          "eviction.weights: at least one weight must be above 0", "Weights._not_all_zero"),
+    Rule("candidates distinct", "eviction.selfTuning.reuseWeights", "self.all(w, self.exists_one(x, x == w))",
+         "eviction.selfTuning.reuseWeights: candidates must be distinct", "SelfTuning._distinct"),
     Rule("windows apart", "workloads.toB.schedule", _NO_OVERLAP,
          "workloads.toB.schedule: windows must not overlap (one whose end is at or before its start runs past "
          "midnight)", "ToBWorkload._no_overlap"),
@@ -147,14 +149,13 @@ RULES: tuple[Rule, ...] = (
          f"metadata.name: at most {MAX_POLICY_NAME} characters (its ConfigMap is kvpool-<name>)", "load_policy"),
 )
 
-# Lists whose items are told apart by a key (x-kubernetes-list-type: map; a set's by their value): the API
-# server refuses a second item with a key (and server-side apply merges by it). Every other list is atomic.
-# A CEL rule for the same uniqueness costs the square of the list's length: over the cost budget at
-# 1,024 adapters, and to no end beside this one.
+# Lists whose items are told apart by a key (x-kubernetes-list-type: map): the API server refuses a second
+# item with a key (and server-side apply merges by it). Every other list is atomic. A CEL rule for the same
+# uniqueness costs the square of the list's length: over the cost budget at 1,024 adapters, and to no end
+# beside this one. (Not a set for reuseWeights: the server tells 0 from 0.0 there, the model and CEL do not.)
 LIST_TYPES: dict[str, tuple[str, list[str] | None, str]] = {
     "workloads.adapters": ("map", ["adapter"], "Workloads._one_rule_per_adapter"),
     "pinning.prompts": ("map", ["name"], "Pinning._named_once_and_small"),
-    "eviction.selfTuning.reuseWeights": ("set", None, "SelfTuning._distinct"),
 }
 
 

@@ -103,6 +103,8 @@ BREACHES: dict[str, tuple[Callable[[dict[str, Any]], None], str, str]] = {
                             "spec.pinning.prompts"),
     "a weight above 0": (setting("spec.eviction.weights.reuse", 0), "spec.eviction.weights",
                          "spec.eviction.weights"),
+    "candidates distinct": (appending("spec.eviction.selfTuning.reuseWeights", 0.1),
+                            "spec.eviction.selfTuning.reuseWeights", "spec.eviction.selfTuning.reuseWeights"),
     "windows apart": (appending("spec.workloads.toB.schedule", {"start": "01:59", "end": "02:00",
                                                                 "isolationPercent": 0}),
                       "spec.workloads.toB.schedule", "spec.workloads.toB.schedule"),
@@ -118,9 +120,6 @@ BREACHES: dict[str, tuple[Callable[[dict[str, Any]], None], str, str]] = {
                            "spec.workloads.adapters", "spec.workloads.adapters[2]"),
     "pinning.prompts": (appending("spec.pinning.prompts", {"name": "system", "model": "n", "tokens": [1] * 16}),
                         "spec.pinning.prompts", "spec.pinning.prompts[2]"),
-    "eviction.selfTuning.reuseWeights": (appending("spec.eviction.selfTuning.reuseWeights", 0.1),
-                                         "spec.eviction.selfTuning.reuseWeights",
-                                         "spec.eviction.selfTuning.reuseWeights[3]"),
 }
 TRANSITION_RULES = {r.name for r in RULES if "oldSelf" in r.rule}
 
@@ -163,6 +162,12 @@ def test_page_size_is_immutable():
     # Unset in both: the default (16) in both, stored as such.
     assert ADMISSION.errors(policy({}), old=policy({})) == []
     assert [e.path for e in ADMISSION.errors(policy({"pageSize": 8}), old=policy({}))] == ["spec.pageSize"]
+
+
+def test_a_candidate_written_twice_as_0_and_0_0_is_refused_by_both():
+    obj = policy({"eviction": {"selfTuning": {"reuseWeights": [0, 0.0]}}})
+    assert model_refusal(obj) is not None
+    assert [e.path for e in ADMISSION.errors(obj)] == ["spec.eviction.selfTuning.reuseWeights"]
 
 
 def window(start: int, end: int) -> dict[str, Any]:
