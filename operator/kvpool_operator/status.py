@@ -24,15 +24,20 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+MAX_CONDITION_MESSAGE = 32768  # metav1.Condition's bound on a message
+
+
 def condition(kind: str, ok: bool, reason: str, message: str, previous: list[dict[str, Any]] | None = None,
               at: str | None = None) -> dict[str, Any]:
-    """A condition; lastTransitionTime moves only when the status flips."""
+    """A condition (metav1.Condition's fields but observedGeneration, which build_status sets); lastTransitionTime
+    moves only when the status flips."""
     status = "True" if ok else "False"
     when = at or now_iso()
     for old in previous or []:
         if old.get("type") == kind and old.get("status") == status:
             when = old.get("lastTransitionTime", when)
-    return {"type": kind, "status": status, "reason": reason, "message": message, "lastTransitionTime": when}
+    return {"type": kind, "status": status, "reason": reason, "message": message[:MAX_CONDITION_MESSAGE],
+            "lastTransitionTime": when}
 
 
 def target_pods(selector: LabelSelector, pods: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -103,6 +108,7 @@ def build_status(
         ready = targets > 0 and synced == targets
         message = f"{synced} of {targets} pods run config {config_hash}"
         conditions.append(condition("Ready", ready, "Synced" if ready else "Syncing", message, prev))
+    conditions = [{**c, "observedGeneration": generation} for c in conditions]  # each one set for this spec
     status: dict[str, Any] = {"observedGeneration": generation, "targetPods": targets, "syncedPods": synced,
                               "conditions": conditions}
     if config_hash:

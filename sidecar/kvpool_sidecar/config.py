@@ -223,8 +223,8 @@ class PinnedPrompt(StrictModel):
                       description="what status and metrics call it")
     model: str = Field(min_length=1, max_length=4096, description=(
         "the model the engines that look it up were started with (vLLM's --model: a hub name or path)"))
-    tokens: list[Annotated[int, Field(ge=0, lt=2**63)]] = Field(min_length=1, description=(
-        "its token ids; only its full pages are pinned"))
+    tokens: list[Annotated[int, Field(ge=0, lt=2**63)]] = Field(
+        min_length=1, max_length=MAX_PROMPT_TOKENS, description="its token ids; only its full pages are pinned")
 
 
 class Pinning(StrictModel):
@@ -248,18 +248,11 @@ class Pinning(StrictModel):
 
 class Tenancy(StrictModel):
     isolation: Literal["perTenant", "none"] = "perTenant"
-    sharedPrefixes: list[str] = Field(
+    sharedPrefixes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]] = Field(
         default_factory=list, max_length=1024,
-        description="hex digests of first pages (unsalted) that every tenant may share, e.g. a system prompt",
+        description="hex digests (32 lowercase hex digits) of first pages (unsalted) that every tenant may share, "
+                    "e.g. a system prompt",
     )
-
-    @field_validator("sharedPrefixes")
-    @classmethod
-    def _hex(cls, values: list[str]) -> list[str]:
-        for v in values:
-            if not re.fullmatch(r"[0-9a-f]{32}", v):
-                raise ValueError(f"{v!r} is not a 32-digit lowercase hex page digest")
-        return values
 
 
 class Learning(StrictModel):
@@ -297,13 +290,6 @@ class Routing(StrictModel):
     )
     hotPrefixQPS: float = Field(default=50, gt=0, description="a prefix hotter than this gets replica pods")
     replicas: int = Field(default=2, ge=0, le=2, description="extra pods that serve a hot prefix")
-
-    @field_validator("loadWindow")
-    @classmethod
-    def _positive_window(cls, value: str) -> str:
-        if parse_duration(value) <= 0:
-            raise ValueError("must be longer than 0s")
-        return value
 
     @property
     def load_window_seconds(self) -> float:

@@ -32,7 +32,9 @@ def _positive_duration(text: str) -> str:
     return text
 
 
-Duration = Annotated[str, Field(pattern=DURATION_PATTERN), AfterValidator(_positive_duration)]
+MAX_DURATION_LENGTH = 32  # "1h30m15s500ms" is 13: a bound for the CRD's cost estimate of the rule over it
+Duration = Annotated[str, Field(pattern=DURATION_PATTERN, max_length=MAX_DURATION_LENGTH),
+                     AfterValidator(_positive_duration)]
 _LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 _DNS_SUBDOMAIN = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
 LABEL_KEY = re.compile(rf"^({_DNS_SUBDOMAIN}/)?{_LABEL_NAME}$")
@@ -195,4 +197,4 @@ def _clock_time(text: str) -> str:
     return text
 
 
-ClockTime = Annotated[str, Field(pattern=_CLOCK.pattern), AfterValidator(_clock_time)]
+ClockTime = Annotated[str, Field(pattern=_CLOCK.pattern, max_length=5), AfterValidator(_clock_time)]

@@ -41,7 +41,8 @@ def test_committed_crd_matches_the_model():
 def test_crd_shape():
     version = crd()["spec"]["versions"][0]
     assert crd()["spec"]["names"]["shortNames"] == ["kvp"] and version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Policy", "Valid", "Ready", "Synced", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Policy", "Valid", "Ready", "Synced", "Targets",
+                                                                          "Age"]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     weights = spec["properties"]["eviction"]["properties"]["weights"]["properties"]
     assert weights["reuse"] == {"type": "number", "minimum": 0, "maximum": 1, "default": 0.6,
@@ -78,7 +79,7 @@ def test_schema_and_model_reject_the_same_bounds():
         ({"pinning": {"quotaPercent": 90}}, "spec"),
         ({"selector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}},
          "spec.selector.matchExpressions.0.operator"),
-        ({"tenancy": {"sharedPrefixes": ["nothex"]}}, "spec.tenancy.sharedPrefixes"),
+        ({"tenancy": {"sharedPrefixes": ["nothex"]}}, "spec.tenancy.sharedPrefixes.0"),
         ({"learning": {"driftThresholdPercent": 0}}, "spec.learning.driftThresholdPercent"),
         ({"unknown": 1}, "spec.unknown"),
     ],

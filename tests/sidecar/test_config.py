@@ -106,7 +106,7 @@ def test_empty_config_means_defaults(text, tmp_path: Path):
         ("pinning: {prompts: [{name: s, model: m, tokens: [1]}, {name: s, model: n, tokens: [2]}]}",
          "pinning.prompts", "named twice"),
         ("tenancy: {isolation: sometimes}", "tenancy.isolation", "perTenant"),
-        ("tenancy: {sharedPrefixes: [xyz]}", "tenancy.sharedPrefixes", "hex page digest"),
+        ("tenancy: {sharedPrefixes: [xyz]}", "tenancy.sharedPrefixes.0", "pattern '^[0-9a-f]{32}$'"),
         ("learning: {coldStartPeriod: 7d}", "learning.coldStartPeriod", "pattern"),
         ("preEviction: {lowWatermarkPercent: 200}", "preEviction.lowWatermarkPercent", "less than or equal"),
         ("evictoin: {policy: lru}", "evictoin", "unknown field"),
