@@ -32,7 +32,7 @@ def cmd_crd(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import kopf
 
-    import kvpool_operator.handlers  # noqa: F401  (registers the handlers)
+    import kvpool_operator.handlers  # registers the handlers
 
     server = None
     if args.metrics_port:
@@ -43,6 +43,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         # Read-only and open, but only where asked: loopback unless --metrics-host.
         server, _ = start_http_server(args.metrics_port, args.metrics_host or "127.0.0.1", registry=REGISTRY)
     namespaces = args.namespace or []
+    kvpool_operator.handlers.NAMESPACES[:] = namespaces  # what the resync lists
     try:
         kopf.run(
             clusterwide=not namespaces,

@@ -241,11 +241,11 @@ def _add_serve(sub: Any) -> None:
 
 def _add_router(sub: Any) -> None:
     rtr = sub.add_parser("router", help="route requests to the pod holding their prefix (bounded-load hashing)")
-    rtr.add_argument("--config", help="policy spec / sidecar config YAML (routing, pageSize, tenancy, selector); "
-                     "watched and hot-reloaded")
+    rtr.add_argument("--config", help="policy spec / sidecar config YAML (routing, pageSize, tenancy; the operator's "
+                     "rendering names its policy); watched and hot-reloaded")
     rtr.add_argument("--pod", action="append", metavar="NAME=ENGINE_URL[,SIDECAR_URL]",
-                     help="a static member (repeatable); without it the router follows the selector's pods "
-                     "through the Kubernetes API")
+                     help="a static member (repeatable); without it the router follows the pods labelled "
+                     "kvpool.dev/policy: NAME of the config's policy through the Kubernetes API")
     rtr.add_argument("--namespace", help="namespace of the pods (default: the config's source, or the router's own)")
     rtr.add_argument("--engine-port", type=_port, default=8000, help="inference engine port on each pod")
     rtr.add_argument("--sidecar-port", type=_port, default=8100, help="kvpool sidecar API port on each pod")
