@@ -211,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve(sub: Any) -> None:
     srv = sub.add_parser("serve", help="serve the pool's HTTP API (defaults: embedded CPU pool, built-in config)")
-    srv.add_argument("--config", help="sidecar config file (the policy spec as YAML); watched and hot-reloaded")
+    srv.add_argument("--config", help="sidecar config file (the policy spec as YAML); watched and hot-reloaded; "
+                     "absent (its directory there): the defaults until it appears, and a file that goes "
+                     "leaves the config in force")
     srv.add_argument("--host", default="127.0.0.1", help="control API address (beyond localhost needs --token-file)")
     srv.add_argument("--port", type=_port, default=8000)
     srv.add_argument("--pages", type=_positive_int, default=65_536, help="pages in the pool")
