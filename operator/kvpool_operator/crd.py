@@ -201,8 +201,11 @@ STATUS_SCHEMA: dict[str, Any] = {
         "observedGeneration": {"type": "integer"},
         "configHash": {"type": "string"},
         "configMap": {"type": "string"},
-        "targetPods": {"type": "integer"},
-        "syncedPods": {"type": "integer"},
+        "targetPods": {"type": "integer", "description": "Running pods labelled kvpool.dev/policy=<name> whose "
+                       "sidecar mounts the policy's ConfigMap"},
+        "syncedPods": {"type": "integer", "description": "of those, pods whose sidecar runs the policy's config"},
+        "misboundPods": {"type": "integer", "description": "pods labelled for the policy whose sidecar does not "
+                         "mount its ConfigMap (the Bound condition names them)"},
         "prompts": {
             "type": "array",
             "description": "each of pinning.prompts and the target pods that hold all of it pinned",

@@ -1,76 +1,94 @@
 """kopf handlers: thin I/O around the pure render and status functions.
 
-The operator uses the official ``kubernetes`` client for ConfigMaps, pods and sibling policies, and
-reads each target pod's sidecar ``/metrics`` (port ``METRICS_PORT``) to learn which config hash it
-runs (see :func:`kvpool_operator.status.config_hash_from_metrics`). Every handler run is counted and
-timed, and each policy's pod counts exported, in :mod:`kvpool_operator.metrics`.
+A pod takes a policy's config by the label ``kvpool.dev/policy: NAME`` (``POLICY_LABEL``), its sidecar
+mounting the ConfigMap ``kvpool-NAME`` (an optional volume). Every valid policy writes that ConfigMap,
+unless someone else's holds the name (:func:`kvpool_operator.render.ownership`); the operator lists the
+policy's pods, surfaces those whose sidecar does not mount it, and reads each bound pod's sidecar
+``/metrics`` (port ``METRICS_PORT``, at most ``SCRAPE_WORKERS`` at a time) to learn which config hash it
+runs (:func:`kvpool_operator.status.config_hash_from_metrics`). Every handler run is counted and timed,
+and each policy's pod counts exported, in :mod:`kvpool_operator.metrics`.
+
+No finalizer: nothing has to happen before a policy goes. Its ConfigMap goes by garbage collection
+(its ownerReference), and its pods keep their last config. kopf adds its finalizer for non-optional
+delete handlers, timers and daemons: there are none, the periodic resync is the operator's own thread
+(:class:`Resync`), and the finalizer older versions added (``FINALIZER``) kopf removes from each policy
+at its next event (the resume at start-up included), so no policy waits on a stopped operator.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import kopf
 import kubernetes
 from kubernetes.client.rest import ApiException
-from kvpool_sidecar.config import API_GROUP, API_VERSION, ConfigError, KVCachePolicySpec, LabelSelector, validate_spec
+from kvpool_sidecar.config import (
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    ConfigError,
+    bound_to,
+    policy_label_selector,
+    validate_spec,
+)
 
 from kvpool_operator import metrics
 from kvpool_operator.crd import PLURAL
-from kvpool_operator.render import configmap_name, needs_update, render_configmap
+from kvpool_operator.render import HASH_ANNOTATION, configmap_name, needs_update, ownership, render_configmap
 from kvpool_operator.status import (
-    PolicyRef,
+    bind,
     build_status,
     config_hash_from_metrics,
-    conflicting_policy,
+    now_iso,
     prompt_status,
     prompts_pinned_from_metrics,
-    target_pods,
+    warnings,
 )
 
 METRICS_PORT = 9400
-METRICS_TIMEOUT = 1.0
+METRICS_TIMEOUT = 1.0  # seconds, per sidecar scrape
+SCRAPE_WORKERS = 8  # sidecar scrapes in flight at once, per policy sync
 RESYNC_SECONDS = 30.0
+FINALIZER = f"{API_GROUP}/finalizer"  # what versions before schema 2 added: named so that kopf removes it
+
+log = logging.getLogger("kvpool.operator")
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
-    settings.persistence.finalizer = f"{API_GROUP}/finalizer"
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.WARNING  # kopf posts an Event per handler run otherwise
     if os.environ.get("KUBERNETES_SERVICE_HOST"):
         kubernetes.config.load_incluster_config()
-        return
-    try:
-        kubernetes.config.load_kube_config()
-    except (kubernetes.config.ConfigException, OSError):
-        logger.warning("no in-cluster config and no kubeconfig: the kubernetes client keeps its defaults")
+    else:
+        try:
+            kubernetes.config.load_kube_config()
+        except (kubernetes.config.ConfigException, OSError):
+            logger.warning("no in-cluster config and no kubeconfig: the kubernetes client keeps its defaults")
+    RESYNC.start()
+
+
+@kopf.on.cleanup()
+def stop(**_: Any) -> None:
+    RESYNC.stop()
 
 
 def _core() -> kubernetes.client.CoreV1Api:
     return kubernetes.client.CoreV1Api()
 
 
-def _pods(namespace: str) -> list[dict[str, Any]]:
+def _policy_pods(namespace: str, name: str) -> list[dict[str, Any]]:
+    """The pods of the namespace labelled for the policy (the label checked again: an emulator ignores it)."""
     api = _core()
-    return [api.api_client.sanitize_for_serialization(p) for p in api.list_namespaced_pod(namespace).items]
-
-
-def _policies(namespace: str) -> list[PolicyRef]:
-    api = kubernetes.client.CustomObjectsApi()
-    items = api.list_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL).get("items", [])
-    refs = []
-    for item in items:
-        meta = item.get("metadata", {})
-        if meta.get("deletionTimestamp"):
-            continue  # on its way out (its delete handler runs with the finalizer): it no longer wins
-        try:
-            selector = LabelSelector.model_validate((item.get("spec") or {}).get("selector") or {})
-        except ValueError:
-            continue
-        refs.append(PolicyRef(meta.get("name", ""), meta.get("creationTimestamp") or "", selector))
-    return refs
+    items = api.list_namespaced_pod(namespace, label_selector=policy_label_selector(name)).items
+    pods = [api.api_client.sanitize_for_serialization(p) for p in items]
+    return [pod for pod in pods if bound_to(pod, name)]
 
 
 def _sidecar_metrics(pod: dict[str, Any]) -> str:
@@ -85,7 +103,15 @@ def _sidecar_metrics(pod: dict[str, Any]) -> str:
         return ""
 
 
-def _apply_configmap(desired: dict[str, Any]) -> None:
+def _scrape(pods: list[dict[str, Any]]) -> list[str]:
+    if not pods:
+        return []
+    with ThreadPoolExecutor(max_workers=min(SCRAPE_WORKERS, len(pods))) as pool:
+        return list(pool.map(_sidecar_metrics, pods))
+
+
+def _apply_configmap(desired: dict[str, Any], policy: str, uid: str | None) -> tuple[bool, str]:
+    """Create or update the policy's ConfigMap where it is the operator's; (owned, why not)."""
     api = _core()
     meta = desired["metadata"]
     try:
@@ -96,9 +122,51 @@ def _apply_configmap(desired: dict[str, Any]) -> None:
         if exc.status != 404:
             raise
         api.create_namespaced_config_map(meta["namespace"], desired)
-        return
-    if needs_update(existing, desired):
+        return True, ""
+    owned, why = ownership(existing, policy, uid)
+    if owned and needs_update(existing, desired):
         api.patch_namespaced_config_map(meta["name"], meta["namespace"], desired)
+    return owned, why
+
+
+def _sync(name: str, namespace: str, meta: dict[str, Any], spec: dict[str, Any],
+          previous: dict[str, Any]) -> dict[str, Any]:
+    """Validate, write the ConfigMap (where the operator's), observe the pods; the new status. Raises
+    ConfigError on an invalid spec (the ConfigMap is then left as it is)."""
+    policy = validate_spec(spec)
+    generation = int(meta.get("generation") or 0)
+    desired = render_configmap(name, namespace, generation, policy, owner_uid=meta.get("uid"))
+    owned, why = _apply_configmap(desired, name, meta.get("uid"))
+    digest = desired["metadata"]["annotations"][HASH_ANNOTATION]
+    binding = bind(name, _policy_pods(namespace, name))
+    texts = _scrape(binding.targets)
+    synced = [text for text in texts if config_hash_from_metrics(text) == digest]
+    status = build_status(
+        generation=generation, config_hash=digest if owned else previous.get("configHash"),
+        configmap=configmap_name(name), valid=(True, "Validated", "ok"), owned=(owned, why), policy=name,
+        misbound=binding.misbound, targets=len(binding.targets), synced=len(synced), previous=previous,
+        prompts=prompt_status([p.name for p in policy.pinning.prompts],
+                              [prompts_pinned_from_metrics(text) for text in synced]),
+    )
+    for reason, message in warnings(previous, status):
+        _post_warning(namespace, name, meta.get("uid"), reason, message)
+    return status
+
+
+def _post_warning(namespace: str, name: str, uid: str | None, reason: str, message: str) -> None:
+    """A Warning Event on the policy (from the handlers and the resync thread alike, so not kopf's)."""
+    now = now_iso()
+    event = {
+        "metadata": {"name": f"{name}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+        "involvedObject": {"apiVersion": f"{API_GROUP}/{API_VERSION}", "kind": KIND, "name": name,
+                           "namespace": namespace, "uid": uid},
+        "reason": reason, "message": message[:1024], "type": "Warning", "count": 1,
+        "firstTimestamp": now, "lastTimestamp": now, "source": {"component": "kvpool-operator"},
+    }
+    try:
+        _core().create_namespaced_event(namespace, event)
+    except ApiException as exc:  # the status says it too: an Event lost is not worth a retry
+        log.warning("could not post the %s event on %s/%s: %s", reason, namespace, name, exc.reason)
 
 
 @kopf.on.create(API_GROUP, API_VERSION, PLURAL)
@@ -108,116 +176,105 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.St
               patch: kopf.Patch, reason: kopf.Reason, logger: logging.Logger, **_: Any) -> None:
     handler = str(getattr(reason, "value", reason))  # create, update or resume
     with metrics.handling(handler):
-        generation = int(meta.get("generation") or 0)
         previous = dict(status)
         try:
-            policy = validate_spec(dict(spec))
+            new_status = _sync(name, namespace, dict(meta), dict(spec), previous)
         except ConfigError as exc:
             # The ConfigMap is left as it is: the sidecars keep the last valid config.
             metrics.invalid_spec(handler)
             kopf.warn(body, reason="InvalidSpec", message=str(exc))
             logger.warning("invalid spec: %s", exc)
-            patch.status.update(metrics.publish(namespace, name, build_status(
-                generation=generation, config_hash=previous.get("configHash"), configmap=previous.get("configMap"),
-                valid=(False, "InvalidSpec", str(exc)), conflict=None, targets=previous.get("targetPods", 0),
-                synced=previous.get("syncedPods", 0), previous=previous,
-            )))
-            return
-        patch.status.update(metrics.publish(namespace, name, _write_unless_superseded(
-            name, namespace, meta, policy, generation, previous)))
-
-
-def _write_unless_superseded(name: str, namespace: str, meta: kopf.Meta, policy: Any, generation: int,
-                             previous: dict[str, Any]) -> dict[str, Any]:
-    """Render and write the ConfigMap, unless an older policy selects some of the same pods: then the
-    younger one writes nothing (its pods get one config, the older policy's) until the conflict is gone."""
-    pods = _pods(namespace)
-    me = PolicyRef(name, meta.get("creationTimestamp") or "", policy.selector)
-    conflict = conflicting_policy(me, _policies(namespace), pods)
-    if conflict is not None:
-        return build_status(
-            generation=generation, config_hash=previous.get("configHash"), configmap=previous.get("configMap"),
-            valid=(True, "Validated", "ok"), conflict=conflict, targets=len(target_pods(policy.selector, pods)),
-            synced=previous.get("syncedPods", 0), previous=previous,
-        )
-    desired = render_configmap(name, namespace, generation, policy, owner_uid=meta.get("uid"))
-    _apply_configmap(desired)
-    digest = desired["metadata"]["annotations"][f"{API_GROUP}/config-hash"]
-    return _observe(name, namespace, meta, policy, generation, digest, previous)
-
-
-def _in_conflict(status: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Conflict" and c.get("status") == "True" for c in status.get("conditions") or [])
-
-
-def _observe(name: str, namespace: str, meta: kopf.Meta, policy: KVCachePolicySpec, generation: int, digest: str,
-             previous: dict[str, Any]) -> dict[str, Any]:
-    selector = policy.selector
-    prompt_names = [prompt.name for prompt in policy.pinning.prompts]
-    pods = _pods(namespace)
-    targets = target_pods(selector, pods)
-    me = PolicyRef(name, meta.get("creationTimestamp") or "", selector)
-    conflict = conflicting_policy(me, _policies(namespace), pods)
-    texts = [_sidecar_metrics(pod) for pod in targets]
-    synced = [text for text in texts if config_hash_from_metrics(text) == digest]
-    return build_status(
-        generation=generation, config_hash=digest, configmap=configmap_name(name), valid=(True, "Validated", "ok"),
-        conflict=conflict, targets=len(targets), synced=len(synced), previous=previous,
-        prompts=prompt_status(prompt_names, [prompts_pinned_from_metrics(text) for text in synced]),
-    )
-
-
-@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def resync(spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, namespace: str, patch: kopf.Patch,
-           **_: Any) -> None:
-    """Pods come and go and sidecars pick up configs at their own pace: refresh the counts."""
-    with metrics.handling("resync"):
-        previous = dict(status)
-        digest = previous.get("configHash")
-        generation = int(meta.get("generation") or 0)
-        in_conflict = _in_conflict(previous)
-        if not in_conflict and previous.get("observedGeneration") != meta.get("generation"):
-            return  # the change handler has yet to run on this generation
-        try:
-            policy = validate_spec(dict(spec))
-        except ConfigError:
-            metrics.invalid_spec("resync")  # still refused: counted at every resync until it is fixed
-            return
-        if in_conflict:  # the older policy may be gone: write the ConfigMap now if so
-            new_status = _write_unless_superseded(name, namespace, meta, policy, generation, previous)
-        elif digest:
-            new_status = _observe(name, namespace, meta, policy, generation, digest, previous)
-        else:
-            return
+            new_status = build_status(
+                generation=int(meta.get("generation") or 0), config_hash=previous.get("configHash"),
+                configmap=previous.get("configMap"), valid=(False, "InvalidSpec", str(exc)),
+                targets=previous.get("targetPods", 0), synced=previous.get("syncedPods", 0), previous=previous,
+            )
         patch.status.update(metrics.publish(namespace, name, new_status))
 
 
-@kopf.on.delete(API_GROUP, API_VERSION, PLURAL)
-def delete(name: str, namespace: str, logger: logging.Logger, **_: Any) -> None:
-    """Delete the ConfigMap explicitly (garbage collection through ownerReferences is a second net),
-    then let the younger policies this one held back write theirs now rather than at the next resync."""
-    with metrics.handling("delete"):
-        try:
-            _core().delete_namespaced_config_map(configmap_name(name), namespace)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+class Seen:
+    """The policies as kopf's own watch last delivered them: what the resync walks, so that it makes no API
+    call (and needs no grant) of its own to find them, in either mode."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bodies: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def update(self, event: kopf.RawEvent) -> tuple[str, str]:
+        body = dict(event.get("object") or {})
+        meta = body.get("metadata") or {}
+        key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+        with self._lock:
+            if event.get("type") == "DELETED":
+                self._bodies.pop(key, None)
+            else:
+                self._bodies[key] = body
+        return key
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._bodies.values())
+
+
+SEEN = Seen()
+
+
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+def seen(event: kopf.RawEvent, **_: Any) -> None:
+    """Every watch event keeps :data:`SEEN` current; a deleted policy's series go with it (a watch event, not
+    a delete handler: no finalizer)."""
+    namespace, name = SEEN.update(event)
+    if event.get("type") == "DELETED":
         metrics.forget(namespace, name)
-        _release_held_back(name, namespace, logger)
 
 
-def _release_held_back(name: str, namespace: str, logger: logging.Logger) -> None:
+def resync_all() -> None:
+    """Pods come and go and sidecars pick up configs at their own pace: every policy whose change the
+    handlers have seen is synced again (its ConfigMap rewritten only where it drifted) and its status
+    refreshed."""
     api = kubernetes.client.CustomObjectsApi()
-    for item in api.list_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL).get("items", []):
-        meta, status = item.get("metadata", {}), item.get("status") or {}
-        if meta.get("name") == name or meta.get("deletionTimestamp") or not _in_conflict(status):
-            continue
+    for item in SEEN.snapshot():
+        meta, status = item.get("metadata") or {}, item.get("status") or {}
+        if meta.get("deletionTimestamp") or status.get("observedGeneration") != meta.get("generation"):
+            continue  # going, or the change handler has yet to run on this generation
+        name, namespace = meta.get("name", ""), meta.get("namespace", "")
         try:
-            policy = validate_spec(item.get("spec") or {})
-        except ConfigError:
-            continue
-        new_status = metrics.publish(namespace, meta["name"], _write_unless_superseded(
-            meta["name"], namespace, meta, policy, int(meta.get("generation") or 0), status))
-        api.patch_namespaced_custom_object_status(API_GROUP, API_VERSION, namespace, PLURAL, meta["name"],
-                                                  {"status": new_status})
-        logger.info("policy %s no longer held back by %s: its ConfigMap is written", meta["name"], name)
+            with metrics.handling("resync"):
+                try:
+                    new_status = _sync(name, namespace, meta, item.get("spec") or {}, status)
+                except ConfigError:
+                    metrics.invalid_spec("resync")  # still refused: counted at every resync until it is fixed
+                    continue
+                api.patch_namespaced_custom_object_status(API_GROUP, API_VERSION, namespace, PLURAL, name,
+                                                          {"status": metrics.publish(namespace, name, new_status)})
+        except Exception:  # counted by metrics.handling; the next policy and the next round go on
+            log.exception("resync of %s/%s failed", namespace, name)
+
+
+class Resync:
+    """The periodic resync, a thread of the operator's own (a kopf timer would put a finalizer on every
+    policy): :func:`resync_all` every ``RESYNC_SECONDS``."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="kvpool-resync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(RESYNC_SECONDS):
+            try:
+                resync_all()
+            except Exception:  # the policies could not be listed: try again next round
+                log.exception("resync failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+
+RESYNC = Resync()

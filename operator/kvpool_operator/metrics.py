@@ -16,11 +16,11 @@ from kubernetes.client.rest import ApiException
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry()
-HANDLERS = ("create", "update", "resume", "resync", "delete")
+HANDLERS = ("create", "update", "resume", "resync")
 ERROR_REASONS = ("invalid_spec", "api_error", "exception")
 
 RECONCILES = Counter(
-    "kvpool_operator_reconciles", "Handler runs on KVCachePolicies (create, update, resume, resync, delete)",
+    "kvpool_operator_reconciles", "Handler runs on KVCachePolicies (create, update, resume, resync)",
     ["handler"], registry=REGISTRY,
 )
 ERRORS = Counter(
@@ -32,7 +32,8 @@ SECONDS = Histogram(
     ["handler"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=REGISTRY,
 )
 TARGET_PODS = Gauge(
-    "kvpool_operator_policy_target_pods", "Pods the policy's selector matches (status.targetPods)",
+    "kvpool_operator_policy_target_pods", "Running pods labelled kvpool.dev/policy=<policy> whose sidecar mounts "
+    "its ConfigMap (status.targetPods)",
     ["policy_namespace", "policy"], registry=REGISTRY,
 )
 SYNCED_PODS = Gauge(

@@ -211,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve(sub: Any) -> None:
     srv = sub.add_parser("serve", help="serve the pool's HTTP API (defaults: embedded CPU pool, built-in config)")
-    srv.add_argument("--config", help="sidecar config file (the policy spec as YAML); watched and hot-reloaded")
+    srv.add_argument("--config", help="sidecar config file (the policy spec as YAML); watched and hot-reloaded; "
+                     "absent (its directory there): the defaults until it appears, and a file that goes "
+                     "leaves the config in force")
     srv.add_argument("--host", default="127.0.0.1", help="control API address (beyond localhost needs --token-file)")
     srv.add_argument("--port", type=_port, default=8000)
     srv.add_argument("--pages", type=_positive_int, default=65_536, help="pages in the pool")
@@ -241,11 +243,11 @@ def _add_serve(sub: Any) -> None:
 
 def _add_router(sub: Any) -> None:
     rtr = sub.add_parser("router", help="route requests to the pod holding their prefix (bounded-load hashing)")
-    rtr.add_argument("--config", help="policy spec / sidecar config YAML (routing, pageSize, tenancy, selector); "
-                     "watched and hot-reloaded")
+    rtr.add_argument("--config", help="policy spec / sidecar config YAML (routing, pageSize, tenancy; the operator's "
+                     "rendering names its policy); watched and hot-reloaded")
     rtr.add_argument("--pod", action="append", metavar="NAME=ENGINE_URL[,SIDECAR_URL]",
-                     help="a static member (repeatable); without it the router follows the selector's pods "
-                     "through the Kubernetes API")
+                     help="a static member (repeatable); without it the router follows the pods labelled "
+                     "kvpool.dev/policy: NAME of the config's policy through the Kubernetes API")
     rtr.add_argument("--namespace", help="namespace of the pods (default: the config's source, or the router's own)")
     rtr.add_argument("--engine-port", type=_port, default=8000, help="inference engine port on each pod")
     rtr.add_argument("--sidecar-port", type=_port, default=8100, help="kvpool sidecar API port on each pod")

@@ -3,7 +3,8 @@
 Field names are camelCase, as in Kubernetes. Every model forbids unknown fields so that a typo in a
 policy is an error that names the field, not a silently ignored setting; the one exception is a config
 file of the next schema version (:data:`SCHEMA_VERSION`), written by a newer operator: the fields this
-side does not know are ignored and named (docs/upgrades.md). Plain Python + pydantic only.
+side does not know are ignored and named; and in a file of the previous one, the fields this version
+removed (:data:`REMOVED_FIELDS`) are ignored (docs/upgrades.md). Plain Python + pydantic only.
 """
 
 from __future__ import annotations
@@ -32,12 +33,34 @@ from kvpool_sidecar.fields import (  # ConfigError, LabelSelector and parse_dura
 API_GROUP = "kvpool.dev"
 API_VERSION = "v1alpha1"
 KIND = "KVCachePolicy"
+# The one binding of a pod to a policy: the pod label ``kvpool.dev/policy: NAME``. The policy's ConfigMap
+# (kvpool-NAME) is what that pod's sidecar mounts; the operator counts, and a router follows, the pods of
+# the policy's namespace with this label (docs/upgrades.md, "Which config a pod gets").
+POLICY_LABEL = f"{API_GROUP}/policy"
+
+
+def bound_to(pod: dict[str, Any], policy: str) -> bool:
+    """Whether a pod (a mapping, as the API serves it) is bound to ``policy``: its :data:`POLICY_LABEL` names it."""
+    return ((pod.get("metadata") or {}).get("labels") or {}).get(POLICY_LABEL) == policy
+
+
+def policy_label_selector(policy: str) -> str:
+    """The ``labelSelector`` query of a policy's pods (checked again with :func:`bound_to` where a server may
+    ignore it)."""
+    return f"{POLICY_LABEL}={policy}"
+
 # The config file's schema: one more each time the contract gains a field (always with a default, so that
 # a file without it means what it meant before). The operator writes it into every file it renders; a
 # sidecar reads files up to SCHEMA_SKEW versions either side of its own (docs/upgrades.md).
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCHEMA_SKEW = 1
 SCHEMA_KEY = "schemaVersion"
+# Top-level fields each schema version removed, and why. A file of an older version (by at most SCHEMA_SKEW)
+# is read without them; anywhere else such a field is refused naming this reason.
+REMOVED_FIELDS: dict[int, dict[str, str]] = {
+    2: {"selector": f"removed in schema version 2: a pod takes a policy's config by the pod label "
+                    f"{POLICY_LABEL}: NAME (docs/upgrades.md)"},
+}
 
 EvictionPolicyName = Literal[
     "lru", "fifo", "lfu", "s3fifo", "workload_adaptive"
@@ -297,7 +320,6 @@ class Routing(StrictModel):
 
 
 class KVCachePolicySpec(StrictModel):
-    selector: LabelSelector = Field(default_factory=LabelSelector)
     pageSize: int = Field(default=16, ge=1, le=4096, description="tokens per page")
     eviction: Eviction = Field(default_factory=Eviction)
     workloads: Workloads = Field(default_factory=Workloads)
@@ -350,6 +372,7 @@ class SidecarConfig(KVCachePolicySpec):
     source: PolicySource | None = None
     _document: dict[str, Any] | None = PrivateAttr(default=None)  # the mapping it was read from
     _unknown: tuple[str, ...] = PrivateAttr(default=())
+    _removed: tuple[str, ...] = PrivateAttr(default=())
 
     def spec(self) -> KVCachePolicySpec:
         """The policy spec, with what the file set marked as set (defaults fill the rest)."""
@@ -363,6 +386,11 @@ class SidecarConfig(KVCachePolicySpec):
     def unknown_fields(self) -> tuple[str, ...]:
         """The fields of a newer schema's file that this sidecar does not know and ignored (dotted paths)."""
         return self._unknown
+
+    @property
+    def removed_fields(self) -> tuple[str, ...]:
+        """The fields of an older schema's file that a later version removed, ignored (:data:`REMOVED_FIELDS`)."""
+        return self._removed
 
 
 def spec_document(spec: KVCachePolicySpec) -> dict[str, Any]:
@@ -391,8 +419,18 @@ def _error_from(exc: ValidationError, prefix: str) -> ConfigError:
     field = f"{prefix}.{path}" if prefix and path else (prefix or path)
     rule = first["msg"]
     if first["type"] == "extra_forbidden":
-        rule = "unknown field"
+        rule = removal_reason(path) or "unknown field"
     return ConfigError(field, rule.removeprefix("Value error, "))
+
+
+def removal_reason(path: str) -> str | None:
+    """Why a top-level field is refused, where a schema version removed it (:data:`REMOVED_FIELDS`)."""
+    return next((removed[path] for removed in REMOVED_FIELDS.values() if path in removed), None)
+
+
+def removed_since(version: int) -> set[str]:
+    """The top-level fields removed by the schema versions after ``version``, up to this side's own."""
+    return {name for v, removed in REMOVED_FIELDS.items() if version < v <= SCHEMA_VERSION for name in removed}
 
 
 def validate_spec(data: Any, prefix: str = "spec") -> KVCachePolicySpec:
@@ -425,20 +463,28 @@ def schema_version_of(data: dict[str, Any]) -> int:
 def validate_config(data: Any) -> SidecarConfig:
     """A config mapping (a file's, a PUT's). Unknown fields are refused, naming the field, but in a
     file of a newer schema version (by at most :data:`SCHEMA_SKEW`): there they are a newer operator's,
-    ignored and listed in :attr:`SidecarConfig.unknown_fields`."""
+    ignored and listed in :attr:`SidecarConfig.unknown_fields`. In a file of an older schema version the
+    fields a later one removed are ignored and listed in :attr:`SidecarConfig.removed_fields`."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError("", f"config must be a mapping, got {type(data).__name__}")
-    known, unknown = data, []
-    if schema_version_of(data) > SCHEMA_VERSION:
+    known, unknown, removed = data, [], []
+    version = schema_version_of(data)
+    if version > SCHEMA_VERSION:
         known, unknown = drop_unknown(SidecarConfig, data)
+    elif version < SCHEMA_VERSION and data.get(SCHEMA_KEY) is not None:
+        # An older operator's file: what a later version removed is dropped, not refused.
+        gone = removed_since(version)
+        removed = sorted(k for k in data if k in gone)
+        known = {k: v for k, v in data.items() if k not in gone}
     try:
         config = SidecarConfig.model_validate(known)
     except ValidationError as exc:
         raise _error_from(exc, "") from None
     config._document = data
     config._unknown = tuple(unknown)
+    config._removed = tuple(removed)
     return config
 
 

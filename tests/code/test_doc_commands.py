@@ -173,7 +173,7 @@ def spec_paths(model: type[BaseModel] = KVCachePolicySpec, prefix: str = "") -> 
 
 def unknown_settings(text: str) -> list[str]:
     paths = spec_paths()
-    tops = {p for p in paths if "." not in p and p not in ("selector",)}
+    tops = {p for p in paths if "." not in p}
     setting = re.compile(rf"`((?:{'|'.join(sorted(tops))})(?:\.[a-z][A-Za-z]*)+)`")
     return sorted({m for m in setting.findall(text) if m not in paths})
 

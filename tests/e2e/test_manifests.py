@@ -62,6 +62,22 @@ def test_kustomizations_list_only_files_that_exist(kustomization):
         assert MANIFESTS in target.parents, f"{entry}: kustomize loads only below the kustomization root"
 
 
+def test_the_example_pods_are_bound_to_the_example_policy():
+    """inference.yaml's pods carry the label naming policy.yaml's policy, their sidecar mounts its ConfigMap
+    (what the operator checks: no PodsMisbound), optionally (a pod starts before the policy is rendered or
+    after it is deleted, on the defaults)."""
+    from kvpool_operator.status import bind
+
+    docs = {doc["kind"]: doc for path, doc in documents() if path.name in ("inference.yaml", "policy.yaml")}
+    name = docs["KVCachePolicy"]["metadata"]["name"]
+    template = docs["Deployment"]["spec"]["template"]
+    pod = {**template, "status": {"phase": "Running"}}
+    binding = bind(name, [pod])
+    assert len(binding.targets) == 1 and binding.misbound == []
+    volumes = [v for v in template["spec"]["volumes"] if (v.get("configMap") or {}).get("name") == f"kvpool-{name}"]
+    assert [v["configMap"].get("optional") for v in volumes] == [True]
+
+
 def test_copies_stay_equal_to_their_sources():
     assert (MANIFESTS / "base" / "crd.yaml").read_text() == (ROOT / "crds" / "kvcachepolicy.yaml").read_text()
     policy = (MANIFESTS / "examples" / "policy.yaml").read_text()

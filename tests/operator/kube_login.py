@@ -15,4 +15,3 @@ def login(**_: Any) -> kopf.ConnectionInfo:
 def settings(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.scanning.disabled = True  # the emulator cannot list namespaces
     settings.watching.server_timeout = 10
-    settings.posting.level = 0

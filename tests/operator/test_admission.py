@@ -229,13 +229,17 @@ def test_status_conditions_follow_the_api_conventions():
     """metav1.Condition's schema: each condition with the generation it was set for, a CamelCase reason, a
     bounded message; one condition of a type."""
     first = build_status(generation=3, config_hash="a", configmap="kvpool-chat", valid=(True, "Validated", "ok"),
-                         conflict=None, targets=2, synced=1)
+                         targets=2, synced=1, owned=(True, ""), policy="chat", misbound=[])
+    # An invalid spec: Valid and Ready are set for it; the pods' conditions were not looked at, so they keep
+    # the generation they were set for.
     bad = build_status(generation=5, config_hash="a", configmap="kvpool-chat",
-                       valid=(False, "InvalidSpec", "spec.pageSize: " + "x" * 40000), conflict=None, targets=2,
+                       valid=(False, "InvalidSpec", "spec.pageSize: " + "x" * 40000), targets=2,
                        synced=0, previous=first)
+    expected = {"Valid": 5, "Ready": 5, "ConfigMapOwned": 3, "Bound": 3}
     for generation, status in ((3, first), (5, bad)):
         jsonschema.Draft4Validator(STATUS_SCHEMA).validate(status)
-        assert {c["observedGeneration"] for c in status["conditions"]} == {generation}
+        assert {c["type"]: c["observedGeneration"] for c in status["conditions"]} == {
+            kind: min(generation, gen) for kind, gen in expected.items()}
         assert ADMISSION.errors({**policy({}), "status": status}) == []
     # An operator from before observedGeneration (mid-upgrade, or rolled back) still writes its status.
     older = [{k: v for k, v in c.items() if k != "observedGeneration"} for c in first["conditions"]]

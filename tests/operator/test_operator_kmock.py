@@ -53,7 +53,7 @@ def wait_watching(emulator: Any) -> None:
 
 
 def policy(name: str, weights: dict | None = None, **spec: Any) -> dict:
-    body = {"selector": {"matchLabels": {"app": "chat"}}, "pageSize": 16, **spec}
+    body = {"pageSize": 16, **spec}
     if weights:
         body["eviction"] = {"weights": weights}
     return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "KVCachePolicy",
@@ -69,6 +69,29 @@ def cluster() -> Iterator[tuple[Any, Any, Any]]:
         assert runner.exit_code == 0, runner.output
 
 
+def bound_pod(name: str, policy: str | None, mounts: str | None = None, ip: str | None = None) -> dict:
+    """A Running pod labelled kvpool.dev/policy: ``policy`` whose native kvpool-sidecar mounts ConfigMap
+    ``mounts`` (kvpool-<policy> unless given) at /etc/kvpool."""
+    labels = {"app": "chat", **({"kvpool.dev/policy": policy} if policy else {})}
+    sidecar = {"name": "kvpool-sidecar", "image": "x", "restartPolicy": "Always",
+               "volumeMounts": [{"name": "cfg", "mountPath": "/etc/kvpool"}]}
+    volume = {"name": "cfg", "configMap": {"name": mounts or f"kvpool-{policy}", "optional": True}}
+    return {"metadata": {"name": name, "namespace": NS, "labels": labels},
+            "spec": {"initContainers": [sidecar], "containers": [{"name": "vllm", "image": "x"}], "volumes": [volume]},
+            "status": {"phase": "Running", **({"podIP": ip} if ip else {})}}
+
+
+def posted(emulator: Any, reason: str) -> list[dict]:
+    """The Events posted with ``reason``."""
+    return [r.data for r in list(emulator._requests) if "events" in str(r.url) and str(r.method).endswith("POST")
+            and isinstance(r.data, dict) and r.data.get("reason") == reason]
+
+
+def resync() -> None:
+    """One round of the operator's periodic resync, now (the module kopf imported)."""
+    sys.modules["kvpool_operator.handlers"].resync_all()
+
+
 def status(api: Any, name: str) -> dict:
     return api.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name).get("status") or {}
 
@@ -81,15 +104,21 @@ def configmap(core: Any, name: str) -> dict:
     return yaml.safe_load(core.read_namespaced_config_map(f"kvpool-{name}", NS).data["config.yaml"])
 
 
-def test_create_update_invalid_conflict_delete(cluster):
+def test_create_update_invalid_delete(cluster):
     api, core, emulator = cluster
-    core.create_namespaced_pod(NS, {"metadata": {"name": "p1", "namespace": NS, "labels": {"app": "chat"}},
-                                    "spec": {"containers": [{"name": "c", "image": "x"}]}})
+    core.create_namespaced_pod(NS, bound_pod("p1", "chat"))
+    core.create_namespaced_pod(NS, bound_pod("p2", None, mounts="kvpool-chat"))  # no label: not the policy's
     api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("chat", {"reuse": 0.6}))
     st = wait_for(lambda: (s := status(api, "chat")).get("observedGeneration") == 1 and s)
     assert cond(st, "Valid")["status"] == "True" and st["targetPods"] == 1 and st["configMap"] == "kvpool-chat"
+    assert cond(st, "Bound")["status"] == "True" and cond(st, "ConfigMapOwned")["status"] == "True"
     first = configmap(core, "chat")
     assert first["eviction"]["weights"]["reuse"] == 0.6 and first["source"]["generation"] == 1
+    owner = core.read_namespaced_config_map("kvpool-chat", NS).metadata.owner_references[0]
+    created = api.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat")
+    assert owner.uid == created["metadata"]["uid"] and owner.block_owner_deletion  # garbage-collected with it
+    assert not created["metadata"].get("finalizers")  # nothing to wait for: deletion never needs the operator
+    assert _events(emulator) == []  # kopf posts no Event of its own per handler run (Normal ones are off)
 
     # A hot parameter update: the ConfigMap and observedGeneration follow.
     api.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat", {"spec": {"eviction": {"weights": {
@@ -102,29 +131,103 @@ def test_create_update_invalid_conflict_delete(cluster):
     api.patch_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat", {"spec": {"pageSize": 0}})
     st = wait_for(lambda: (s := status(api, "chat")).get("observedGeneration") == 3 and s)
     assert cond(st, "Valid")["status"] == "False" and "spec.pageSize" in cond(st, "Valid")["message"]
+    assert cond(st, "Bound")["status"] == "True"  # kept from the last look
     assert configmap(core, "chat") == second
-    events = wait_for(lambda: [r.data for r in list(emulator._requests)
-                               if "events" in str(r.url) and str(r.method).endswith("POST")
-                               and isinstance(r.data, dict) and r.data.get("reason") == "InvalidSpec"])
+    events = wait_for(lambda: posted(emulator, "InvalidSpec"))
     assert "spec.pageSize" in events[0]["message"] and events[0]["type"] == "Warning"
+    # kopf's own per-run Events (Normal) stay unposted: only warnings reach the namespace's Events.
+    assert {e.get("type") for e in _events(emulator)} == {"Warning"}
 
-    # A second, younger policy over the same pod: it reports the conflict, the older one wins.
-    api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("chat2"))
-    st = wait_for(lambda: cond(status(api, "chat2"), "Conflict"))
-    assert "chat" in st["message"]
-    assert _gone(core, "kvpool-chat2")  # the younger policy writes no ConfigMap while the older one wins
-
-    # The older one goes: its ConfigMap goes, and the younger writes its own at once (not at a resync).
+    # Deleted: gone at once (no finalizer). The operator deletes nothing: the garbage collector takes the
+    # ConfigMap through its ownerReference (the emulator has none, so it stays here).
     api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat")
-    wait_for(lambda: _gone(core, "kvpool-chat"))
-    taken_over = wait_for(lambda: not _gone(core, "kvpool-chat2") and configmap(core, "chat2"), timeout=10)
-    assert taken_over["source"]["name"] == "chat2"
-    st = wait_for(lambda: (s := status(api, "chat2")) and cond(s, "Conflict").get("status") != "True" and s)
-    assert st["configMap"] == "kvpool-chat2"
+    wait_for(lambda: _policy_gone(api, "chat"))
+    assert not [r for r in list(emulator._requests) if "configmaps" in str(r.url) and r.method == "DELETE"]
 
-    # Delete: the ConfigMap goes.
-    api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "chat2")
-    wait_for(lambda: _gone(core, "kvpool-chat2"))
+
+def _events(emulator: Any) -> list[dict]:
+    return [r.data for r in list(emulator._requests) if "events" in str(r.url) and str(r.method).endswith("POST")
+            and isinstance(r.data, dict)]
+
+
+def _policy_gone(api: Any, name: str) -> bool:
+    try:
+        api.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, name)
+    except ApiException as exc:
+        return exc.status == 404
+    return False
+
+
+def test_mis_bound_pods_are_surfaced_and_the_configmap_is_written_all_the_same(cluster):
+    """Created mis-bound, fixed, becoming mis-bound: the Bound condition and one Warning each time; the
+    ConfigMap is written throughout and Ready counts the bound pods."""
+    api, core, emulator = cluster
+    core.create_namespaced_pod(NS, bound_pod("good", "chat"))
+    core.create_namespaced_pod(NS, bound_pod("stray", "chat", mounts="kvpool-api"))  # labelled chat, mounts api's
+    api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("chat"))
+    st = wait_for(lambda: (s := status(api, "chat")).get("observedGeneration") == 1 and s)
+    assert configmap(core, "chat")["source"]["name"] == "chat"  # not held back
+    bound = cond(st, "Bound")
+    assert bound["status"] == "False" and bound["reason"] == "PodsMisbound" and st["misboundPods"] == 1
+    assert "stray (its kvpool-sidecar mounts ConfigMap kvpool-api at /etc/kvpool)" in bound["message"]
+    assert st["targetPods"] == 1 and "good" not in bound["message"]
+    assert [e["message"] for e in posted(emulator, "PodsMisbound")] == [bound["message"]]
+    resync()
+    assert len(posted(emulator, "PodsMisbound")) == 1  # still so at the resync: not said again
+
+    core.patch_namespaced_pod("stray", NS, {"metadata": {"labels": {"kvpool.dev/policy": "api"}}})  # fixed
+    resync()
+    st = status(api, "chat")
+    assert cond(st, "Bound")["status"] == "True" and st["misboundPods"] == 0 and st["targetPods"] == 1
+
+    core.patch_namespaced_pod("stray", NS, {"metadata": {"labels": {"kvpool.dev/policy": "chat"}}})  # again
+    resync()
+    st = status(api, "chat")
+    assert cond(st, "Bound")["status"] == "False" and len(posted(emulator, "PodsMisbound")) == 2
+
+
+def test_a_foreign_configmap_is_left_alone_and_reported(cluster):
+    api, core, emulator = cluster
+    core.create_namespaced_config_map(NS, {"metadata": {"name": "kvpool-mine", "namespace": NS},
+                                           "data": {"config.yaml": "pageSize: 32\n"}})
+    api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("mine"))
+    st = wait_for(lambda: (s := status(api, "mine")).get("observedGeneration") == 1 and s)
+    owned = cond(st, "ConfigMapOwned")
+    assert owned["status"] == "False" and owned["reason"] == "ForeignConfigMap" and "not the operator's" in \
+        owned["message"]
+    assert cond(st, "Ready")["status"] == "False" and cond(st, "Ready")["reason"] == "ForeignConfigMap"
+    assert [e["message"] for e in posted(emulator, "ForeignConfigMap")] == [owned["message"]]
+    api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "mine")
+    wait_for(lambda: _policy_gone(api, "mine"))
+    assert core.read_namespaced_config_map("kvpool-mine", NS).data == {"config.yaml": "pageSize: 32\n"}
+    assert not [r for r in list(emulator._requests) if "configmaps/kvpool-mine" in str(r.url)
+                and r.method in ("PATCH", "PUT", "DELETE")]
+
+
+def test_policies_are_deleted_with_the_operator_down_and_an_old_finalizer_goes_at_start():
+    """Versions before schema 2 put kvpool.dev/finalizer on every policy: one deleted while the operator is
+    down stays Terminating until the operator starts and removes it; one not deleted loses it too. A
+    policy the operator handles gets none, so its deletion never waits for the operator."""
+    with running_emulator() as (_, emulator):
+        api = kubernetes.client.CustomObjectsApi()
+        for name in ("old", "leaving"):
+            body = policy(name)
+            body["metadata"]["finalizers"] = ["kvpool.dev/finalizer"]
+            api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, body)
+        api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "leaving")
+        assert api.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "leaving")["metadata"][
+            "deletionTimestamp"]  # Terminating: the operator is down
+        with KopfRunner(operator_args()) as runner:
+            wait_watching(emulator)
+            wait_for(lambda: _policy_gone(api, "leaving"))
+            wait_for(lambda: not api.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "old")[
+                "metadata"].get("finalizers"))
+            api.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, policy("new"))
+            wait_for(lambda: status(api, "new").get("observedGeneration") == 1)
+        assert runner.exit_code == 0, runner.output
+        assert not api.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "new")["metadata"].get("finalizers")
+        api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "new")  # the operator is down
+        assert _policy_gone(api, "new")
 
 
 def _gone(core: Any, name: str) -> bool:
@@ -243,9 +346,7 @@ def test_the_operator_counts_reconciles_errors_and_pods_off_the_policys_hash(clu
         return io.BytesIO(f'kvpool_config_info{{hash="{digest}",policy="lru",source="llm/m"}} 1\n'.encode())
 
     monkeypatch.setattr(urllib.request, "urlopen", urlopen)
-    core.create_namespaced_pod(NS, {"metadata": {"name": "p1", "namespace": NS, "labels": {"app": "chat"}},
-                                    "spec": {"containers": [{"name": "c", "image": "x"}]},
-                                    "status": {"phase": "Running", "podIP": "10.0.0.7"}})
+    core.create_namespaced_pod(NS, bound_pod("p1", "m", ip="10.0.0.7"))
     pods = {"policy_namespace": NS, "policy": "m"}
     created = operator_sample("kvpool_operator_reconciles_total", handler="create")
     timed = operator_sample("kvpool_operator_reconcile_seconds_count", handler="create")
@@ -276,7 +377,7 @@ def test_the_operator_counts_reconciles_errors_and_pods_off_the_policys_hash(clu
 
     # Deleted: its series go with it.
     api.delete_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, "m")
-    wait_for(lambda: _gone(core, "kvpool-m"))
+    wait_for(lambda: _policy_gone(api, "m"))
     wait_for(lambda: "policy=\"m\"" not in operator_text())
 
 

@@ -9,20 +9,18 @@ import pytest
 import yaml
 from kvpool_operator.cli import main
 from kvpool_operator.crd import crd, spec_schema
-from kvpool_operator.render import CONFIG_KEY, HASH_ANNOTATION, needs_update, render_configmap
+from kvpool_operator.render import CONFIG_KEY, HASH_ANNOTATION, needs_update, ownership, render_configmap
 from kvpool_operator.status import (
-    PolicyRef,
+    bind,
     build_status,
     config_hash_from_metrics,
-    conflicting_policy,
     prompt_status,
     prompts_pinned_from_metrics,
-    target_pods,
+    warnings,
 )
 from kvpool_sidecar.config import (
     ConfigError,
     KVCachePolicySpec,
-    LabelSelector,
     load_policy,
     parse_config_text,
     spec_hash,
@@ -77,8 +75,7 @@ def test_schema_and_model_reject_the_same_bounds():
         ({"eviction": {"policy": "mru"}}, "spec.eviction.policy"),
         ({"workloads": {"toC": {"timeWindow": "soon"}}}, "spec.workloads.toC.timeWindow"),
         ({"pinning": {"quotaPercent": 90}}, "spec"),
-        ({"selector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}},
-         "spec.selector.matchExpressions.0.operator"),
+        ({"selector": {"matchLabels": {"app": "chat"}}}, "spec.selector"),  # removed in schema version 2
         ({"tenancy": {"sharedPrefixes": ["nothex"]}}, "spec.tenancy.sharedPrefixes.0"),
         ({"learning": {"driftThresholdPercent": 0}}, "spec.learning.driftThresholdPercent"),
         ({"unknown": 1}, "spec.unknown"),
@@ -108,57 +105,124 @@ def test_rendered_file_carries_the_spec_as_given_and_its_schema_version():
     """Not the operator's defaults: a sidecar of another schema version fills in its own (docs/upgrades.md)."""
     from kvpool_sidecar.config import SCHEMA_VERSION, config_hash
 
-    spec = validate_spec({"pageSize": 32, "eviction": {"weights": {"reuse": 0.5}}, "selector": {}})
+    spec = validate_spec({"pageSize": 32, "eviction": {"weights": {"reuse": 0.5}}})
     cm = render_configmap("chat", "llm", 2, spec)
     doc = yaml.safe_load(cm["data"][CONFIG_KEY])
     digest = cm["metadata"]["annotations"][HASH_ANNOTATION]
     assert doc == {"source": {"name": "chat", "namespace": "llm", "generation": 2, "hash": digest},
-                   "schemaVersion": SCHEMA_VERSION, "pageSize": 32, "eviction": {"weights": {"reuse": 0.5}},
-                   "selector": {}}
+                   "schemaVersion": SCHEMA_VERSION, "pageSize": 32, "eviction": {"weights": {"reuse": 0.5}}}
     # One formula (config_hash) on both sides: what the operator wrote is what the sidecar reports.
     assert digest == config_hash(doc) == spec_hash(spec) == spec_hash(parse_config_text(cm["data"][CONFIG_KEY]))
 
 
-def pod(name: str, **labels: str) -> dict:
-    return {"metadata": {"name": name, "labels": labels}}
+def pod(name: str, policy: str | None = "chat", mounts: str | None = "kvpool-chat", phase: str = "Running",
+        native: bool = True, projected: bool = False) -> dict:
+    """A pod labelled for ``policy`` whose kvpool-sidecar (a native sidecar, or a plain container) mounts
+    ConfigMap ``mounts`` at /etc/kvpool (None: no sidecar)."""
+    labels = {"app": "x", **({"kvpool.dev/policy": policy} if policy else {})}
+    spec: dict = {"containers": [{"name": "vllm"}], "volumes": []}
+    if mounts is not None:
+        sidecar = {"name": "kvpool-sidecar", "volumeMounts": [{"name": "cfg", "mountPath": "/etc/kvpool/"}]}
+        spec["initContainers" if native else "containers"] = [sidecar] if native else [{"name": "vllm"}, sidecar]
+        source = {"configMap": {"name": mounts, "optional": True}}
+        spec["volumes"] = [{"name": "cfg", **({"projected": {"sources": [source]}} if projected else source)}]
+    return {"metadata": {"name": name, "labels": labels}, "spec": spec, "status": {"phase": phase}}
 
 
-def test_targets_and_conflicts_older_policy_wins():
-    pods = [pod("a", app="chat"), pod("b", app="api"), pod("c", app="chat", tier="gold")]
-    chat = PolicyRef("chat", "2026-01-01T00:00:00Z", LabelSelector(matchLabels={"app": "chat"}))
-    gold = PolicyRef("gold", "2026-02-01T00:00:00Z", LabelSelector.model_validate(
-        {"matchExpressions": [{"key": "tier", "operator": "Exists"}]}))
-    api = PolicyRef("api", "2025-01-01T00:00:00Z", LabelSelector(matchLabels={"app": "api"}))
-    assert [p["metadata"]["name"] for p in target_pods(chat.selector, pods)] == ["a", "c"]
-    assert conflicting_policy(gold, [chat, gold, api], pods) == chat  # chat is older and shares pod c
-    assert conflicting_policy(chat, [chat, gold, api], pods) is None  # the older one wins
-    assert conflicting_policy(api, [chat, gold, api], pods) is None  # no shared pod
+def test_a_policys_pods_are_those_labelled_for_it_and_mis_bound_ones_are_named():
+    pods = [pod("a"), pod("b", native=False, projected=True), pod("other", policy="api", mounts="kvpool-api"),
+            pod("unlabelled", policy=None), pod("wrong", mounts="kvpool-api"), pod("bare", mounts=None),
+            pod("pending", phase="Pending"), pod("pending-wrong", mounts="kvpool-x", phase="Pending"),
+            pod("done", phase="Succeeded", mounts="kvpool-x"),
+            {**pod("leaving"), "metadata": {**pod("leaving")["metadata"], "deletionTimestamp": "2026-01-01T00:00:00Z"}}]
+    binding = bind("chat", pods)
+    assert [p["metadata"]["name"] for p in binding.targets] == ["a", "b"]  # Running and bound
+    assert binding.misbound == [("bare", "has no kvpool-sidecar container"),
+                                ("pending-wrong", "its kvpool-sidecar mounts ConfigMap kvpool-x at /etc/kvpool"),
+                                ("wrong", "its kvpool-sidecar mounts ConfigMap kvpool-api at /etc/kvpool")]
+    nothing = pod("empty")
+    nothing["spec"]["initContainers"][0]["volumeMounts"] = []
+    assert bind("chat", [nothing]).misbound == [("empty", "its kvpool-sidecar mounts no ConfigMap at /etc/kvpool")]
+
+
+def test_mis_bound_pods_are_surfaced_in_a_condition_and_one_warning_while_ready_counts_bound_pods():
+    misbound = [(f"p{i}", "has no kvpool-sidecar container") for i in range(5)]
+    status = build_status(generation=1, config_hash="abc", configmap="kvpool-chat", valid=(True, "Validated", "ok"),
+                          owned=(True, ""), policy="chat", misbound=misbound, targets=2, synced=2)
+    kinds = {c["type"]: c for c in status["conditions"]}
+    bound = kinds["Bound"]
+    assert bound["status"] == "False" and bound["reason"] == "PodsMisbound" and status["misboundPods"] == 5
+    assert "p0 (has no kvpool-sidecar container); p1" in bound["message"] and "p3" not in bound["message"]
+    assert "and 2 more" in bound["message"] and "kvpool.dev/policy=chat" in bound["message"]
+    assert kinds["Ready"]["status"] == "True"  # the two bound pods run the config
+    assert warnings(None, status) == [("PodsMisbound", bound["message"])]
+    assert warnings(status, status) == []  # the same again at the next resync: quiet
+    fewer = build_status(generation=1, config_hash="abc", configmap="kvpool-chat", valid=(True, "Validated", "ok"),
+                         owned=(True, ""), policy="chat", misbound=misbound[:1], targets=2, synced=2, previous=status)
+    assert [r for r, _ in warnings(status, fewer)] == ["PodsMisbound"]  # changed: said again
+    fixed = build_status(generation=1, config_hash="abc", configmap="kvpool-chat", valid=(True, "Validated", "ok"),
+                         owned=(True, ""), policy="chat", misbound=[], targets=3, synced=3, previous=fewer)
+    assert {c["type"]: c for c in fixed["conditions"]}["Bound"]["status"] == "True" and warnings(fewer, fixed) == []
+
+
+def managed(name: str = "kvpool-chat", policy: str | None = "chat", uid: str | None = None, kind: str = "KVCachePolicy",
+            managed_by: str | None = "kvpool-operator") -> dict:
+    labels = {k: v for k, v in (("app.kubernetes.io/managed-by", managed_by), ("kvpool.dev/policy", policy)) if v}
+    meta: dict = {"name": name, "labels": labels}
+    if uid:
+        meta["ownerReferences"] = [{"kind": kind, "name": "chat", "uid": uid, "controller": True}]
+    return {"metadata": meta, "data": {}}
+
+
+def test_only_the_operators_own_configmap_is_written():
+    assert ownership(managed(uid="u1"), "chat", "u1") == (True, "")
+    assert ownership(managed(), "chat", "u1") == (True, "")  # rendered without an owner: adopted
+    desired = render_configmap("chat", "llm", 1, KVCachePolicySpec(), owner_uid="u1")
+    assert needs_update({**managed(), "data": desired["data"]}, desired)  # adopting writes the owner in
+    assert not needs_update({**managed(uid="u1"), "data": desired["data"]}, desired)
+    owned, why = ownership(managed(managed_by=None), "chat", "u1")  # someone else's
+    assert not owned and "kvpool-chat is not the operator's" in why
+    owned, why = ownership(managed(uid="u0"), "chat", "u1")  # a deleted policy's, awaiting the GC
+    assert not owned and "controlled by KVCachePolicy chat (uid u0)" in why
+    owned, why = ownership(managed(policy="api"), "chat", "u1")
+    assert not owned and "labelled for policy 'api'" in why
+    status = build_status(generation=1, config_hash=None, configmap="kvpool-chat", valid=(True, "Validated", "ok"),
+                          owned=(False, why), policy="chat", misbound=[], targets=1, synced=1)
+    kinds = {c["type"]: c for c in status["conditions"]}
+    assert kinds["ConfigMapOwned"]["reason"] == "ForeignConfigMap" and kinds["Ready"]["status"] == "False"
+    assert warnings(None, status) == [("ForeignConfigMap", why)]
 
 
 def test_status_conditions():
     ok = build_status(generation=2, config_hash="abc", configmap="kvpool-chat", valid=(True, "Validated", "ok"),
-                      conflict=None, targets=3, synced=3)
+                      targets=3, synced=3)
     kinds = {c["type"]: c for c in ok["conditions"]}
     assert kinds["Valid"]["status"] == "True" and kinds["Ready"]["status"] == "True"
     assert ok["observedGeneration"] == 2 and ok["syncedPods"] == 3
     syncing = build_status(generation=3, config_hash="def", configmap="kvpool-chat", valid=(True, "Validated", "ok"),
-                           conflict=None, targets=3, synced=1, previous=ok)
+                           targets=3, synced=1, previous=ok)
     ready = {c["type"]: c for c in syncing["conditions"]}["Ready"]
     assert ready["status"] == "False" and ready["reason"] == "Syncing" and "1 of 3" in ready["message"]
     bad = build_status(generation=4, config_hash="def", configmap="kvpool-chat",
-                       valid=(False, "InvalidSpec", "spec.pageSize: too small"), conflict=None, targets=3, synced=3,
+                       valid=(False, "InvalidSpec", "spec.pageSize: too small"), targets=3, synced=3,
                        previous=syncing)
     valid = {c["type"]: c for c in bad["conditions"]}["Valid"]
     assert valid["status"] == "False" and "spec.pageSize" in valid["message"] and bad["configHash"] == "def"
-    clash = build_status(generation=1, config_hash="x", configmap="kvpool-gold", valid=(True, "Validated", "ok"),
-                         conflict=PolicyRef("chat", "", LabelSelector()), targets=1, synced=0)
-    assert {c["type"]: c for c in clash["conditions"]}["Conflict"]["message"].startswith("pods are also selected by")
+    # An invalid spec looks at no pods: what the last look found about them stays.
+    looked = build_status(generation=5, config_hash="def", configmap="kvpool-chat", valid=(True, "Validated", "ok"),
+                          owned=(True, ""), policy="chat", misbound=[("p", "has no kvpool-sidecar container")],
+                          targets=3, synced=3)
+    refused = build_status(generation=6, config_hash="def", configmap="kvpool-chat",
+                           valid=(False, "InvalidSpec", "spec.pageSize: too small"), targets=3, synced=3,
+                           previous=looked)
+    kept = {c["type"]: c for c in refused["conditions"]}
+    assert kept["Bound"] == {c["type"]: c for c in looked["conditions"]}["Bound"] and "ConfigMapOwned" in kept
 
 
 def test_transition_time_moves_only_on_a_flip():
-    first = build_status(generation=1, config_hash="a", configmap="m", valid=(True, "Validated", "ok"), conflict=None,
+    first = build_status(generation=1, config_hash="a", configmap="m", valid=(True, "Validated", "ok"),
                          targets=1, synced=1)
-    again = build_status(generation=2, config_hash="a", configmap="m", valid=(True, "Validated", "ok"), conflict=None,
+    again = build_status(generation=2, config_hash="a", configmap="m", valid=(True, "Validated", "ok"),
                          targets=1, synced=1, previous={**first, "conditions": [
                              {**c, "lastTransitionTime": "2020-01-01T00:00:00Z"} for c in first["conditions"]]})
     assert all(c["lastTransitionTime"] == "2020-01-01T00:00:00Z" for c in again["conditions"])
@@ -178,7 +242,7 @@ def test_status_counts_the_synced_pods_holding_each_named_prompt_wholly_pinned()
     pods = [prompts_pinned_from_metrics(t) for t in (whole, part, "")]
     assert prompt_status(["sys", "doc"], pods) == [{"name": "sys", "pinnedPods": 1}, {"name": "doc", "pinnedPods": 0}]
     status = build_status(generation=1, config_hash="a", configmap="m", valid=(True, "Validated", "ok"),
-                          conflict=None, targets=3, synced=3, prompts=prompt_status(["sys"], pods))
+                          targets=3, synced=3, prompts=prompt_status(["sys"], pods))
     assert status["prompts"] == [{"name": "sys", "pinnedPods": 1}]
 
 
@@ -199,12 +263,7 @@ def test_cli_render_and_crd(capsys, tmp_path):
     (lambda d: d["spec"].update(pageSize="16"), "spec.pageSize"),
     (lambda d: d["spec"].setdefault("workloads", {}).update(toC={"timeWindow": "0s"}), "spec.workloads.toC.timeWindow"),
     (lambda d: d["spec"].setdefault("learning", {}).update(coldStartPeriod="0ms"), "spec.learning.coldStartPeriod"),
-    (lambda d: d["spec"].update(selector={"matchExpressions": [{"key": "app", "operator": "In"}]}),
-     "spec.selector.matchExpressions.0"),
-    (lambda d: d["spec"].update(selector={"matchExpressions": [{"key": "app", "operator": "Exists", "values": ["x"]}]}),
-     "spec.selector.matchExpressions.0"),
-    (lambda d: d["spec"].update(selector={"matchLabels": {"my app": "x"}}), "spec.selector.matchLabels"),
-    (lambda d: d["spec"].update(selector={"matchLabels": {"app": "a value"}}), "spec.selector.matchLabels"),
+    (lambda d: d["spec"].update(selector={"matchLabels": {"app": "chat"}}), "spec.selector"),  # removed
     (lambda d: d["metadata"].update(name="x" * 300), "metadata.name"),
     (lambda d: d["metadata"].update(name="../../etc/passwd"), "metadata.name"),
     (lambda d: d["metadata"].update(generation="abc"), "metadata.generation"),  # was a traceback
@@ -240,3 +299,19 @@ def test_run_serves_the_operators_metrics_on_its_port_while_it_runs(monkeypatch)
     assert "kvpool_operator_reconcile_seconds_bucket" in scraped[0]
     with pytest.raises(httpx.TransportError):
         httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=1)
+
+
+def test_the_resync_is_a_thread_of_its_own_every_interval_until_stopped(monkeypatch):
+    """Not a kopf timer: a timer would put kopf's finalizer on every policy."""
+    import threading
+
+    import kvpool_operator.handlers as handlers
+
+    rounds = threading.Semaphore(0)
+    monkeypatch.setattr(handlers, "RESYNC_SECONDS", 0.01)
+    monkeypatch.setattr(handlers, "resync_all", rounds.release)
+    resync = handlers.Resync()
+    resync.start()
+    assert rounds.acquire(timeout=5) and rounds.acquire(timeout=5)  # round after round
+    resync.stop()
+    assert resync._thread is not None and not resync._thread.is_alive()

@@ -17,7 +17,6 @@ apiVersion: kvpool.dev/v1alpha1
 kind: KVCachePolicy
 metadata: {name: chat, namespace: llm}
 spec:
-  selector: {matchLabels: {app: qwen-chat}}
   pageSize: 16
   eviction:
     policy: workload_adaptive
@@ -55,12 +54,11 @@ def test_defaults_are_the_seeds():
 def test_issue_example_policy_loads_and_equals_defaults():
     meta, spec = load_policy(ISSUE_EXAMPLE)
     assert meta["name"] == "chat"
-    assert spec.selector.matchLabels == {"app": "qwen-chat"}
     # The issue's example named the seed's score (`workload_aware`, its protected set); the default
     # policy is that score in its time-invariant form, so the example now names it and equals the
-    # defaults, but for the long-prompt auto-pin it sets and the defaults leave unset.
-    assert spec == KVCachePolicySpec(selector={"matchLabels": {"app": "qwen-chat"}},
-                                     pinning={"autoPin": {"minPromptTokens": 1024}})  # the values, defaults in
+    # defaults, but for the long-prompt auto-pin it sets and the defaults leave unset. (Its selector went
+    # with schema version 2: pods bind by the label kvpool.dev/policy.)
+    assert spec == KVCachePolicySpec(pinning={"autoPin": {"minPromptTokens": 1024}})  # the values, defaults in
     assert KVCachePolicySpec().eviction.policy == "workload_adaptive"
 
 
@@ -168,7 +166,7 @@ def test_every_spec_field_is_documented():
         out = []
         for name, field in model.model_fields.items():
             kind = field.annotation
-            if isinstance(kind, type) and issubclass(kind, BaseModel) and name != "selector":
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
                 out += leaves(kind, f"{prefix}{name}.")
             else:
                 out.append(prefix + name)

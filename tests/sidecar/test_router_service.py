@@ -16,7 +16,7 @@ import torch
 import yaml
 from emulator import running_emulator
 from kvpool_sidecar.cli import main
-from kvpool_sidecar.config import LabelSelector, SidecarConfig
+from kvpool_sidecar.config import SidecarConfig
 from kvpool_sidecar.service.membership import Endpoint, KubernetesMembership, StaticMembership, parse_static
 from kvpool_sidecar.service.router_app import RouterService, create_router_app
 from support import live_app
@@ -151,15 +151,17 @@ def pod(name: str, labels: dict[str, str], ip: str | None = "10.1.0.1", ready: b
 
 
 def test_kubernetes_membership_follows_the_policys_serving_pods():
-    selector = LabelSelector(matchLabels={"app": "chat"})
+    """The policy's pods are those labelled kvpool.dev/policy: NAME (the one binding), serving ones only."""
+    bound = {"app": "chat", "kvpool.dev/policy": "chat"}
     with running_emulator():
         core = kubernetes.client.CoreV1Api()
-        core.create_namespaced_pod("llm", pod("chat-0", {"app": "chat"}, "10.1.0.1"))
-        core.create_namespaced_pod("llm", pod("chat-1", {"app": "chat"}, "10.1.0.2"))
-        core.create_namespaced_pod("llm", pod("chat-2", {"app": "chat"}, "10.1.0.3", ready=False))
-        core.create_namespaced_pod("llm", pod("chat-3", {"app": "chat"}, None))
-        core.create_namespaced_pod("llm", pod("api-0", {"app": "api"}, "10.1.0.9"))
-        source = KubernetesMembership("llm", selector, port=8000, sidecar_port=8100)
+        core.create_namespaced_pod("llm", pod("chat-0", bound, "10.1.0.1"))
+        core.create_namespaced_pod("llm", pod("chat-1", bound, "10.1.0.2"))
+        core.create_namespaced_pod("llm", pod("chat-2", bound, "10.1.0.3", ready=False))
+        core.create_namespaced_pod("llm", pod("chat-3", bound, None))
+        core.create_namespaced_pod("llm", pod("chat-4", {"app": "chat"}, "10.1.0.4"))  # no policy label
+        core.create_namespaced_pod("llm", pod("api-0", {"app": "chat", "kvpool.dev/policy": "api"}, "10.1.0.9"))
+        source = KubernetesMembership("llm", "chat", port=8000, sidecar_port=8100)
         assert source.members() == {"chat-0": Endpoint("http://10.1.0.1:8000", "http://10.1.0.1:8100"),
                                     "chat-1": Endpoint("http://10.1.0.2:8000", "http://10.1.0.2:8100")}
         service, app = serve(source)
@@ -171,6 +173,16 @@ def test_kubernetes_membership_follows_the_policys_serving_pods():
             wait_for(lambda: [p["pod"] for p in httpx.get(url + "/v1/pods").json()["pods"]] == ["chat-1"])
             assert httpx.post(url + "/v1/route", json={"tokens": list(range(40))}).json()["url"] == \
                 "http://10.1.0.2:8000"
+
+
+def test_a_router_without_static_members_needs_a_config_naming_its_policy(tmp_path):
+    from kvpool_sidecar.service.server import RouterOptions, ServeError, build_router
+
+    hand_written = tmp_path / "config.yaml"
+    hand_written.write_text("pageSize: 16\n")
+    for config in (None, str(hand_written)):
+        with pytest.raises(ServeError, match="names no policy .*kvpool.dev/policy: NAME.*--pod"):
+            build_router(RouterOptions(config=config, namespace="llm"))
 
 
 def test_a_hot_prefix_warms_its_replica_from_the_owner():

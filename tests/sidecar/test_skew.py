@@ -168,9 +168,9 @@ def _models_in(annotation) -> list[tuple[str, type]]:
     return [("", annotation)] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
 
 
-# The fingerprint of each schema version's fields. A field added to the config contract needs
+# The fingerprint of each schema version's fields. A field added to (or removed from) the config contract needs
 # SCHEMA_VERSION + 1 (config.py) and its fingerprint here: docs/upgrades.md.
-FINGERPRINTS = {1: "6119be3b"}
+FINGERPRINTS = {1: "6119be3b", 2: "8de6824a"}
 
 
 def test_the_contracts_fields_change_only_with_the_schema_version():
@@ -184,3 +184,64 @@ def test_the_contracts_fields_change_only_with_the_schema_version():
     assert FINGERPRINTS.get(SCHEMA_VERSION) == fingerprint, (
         f"the config contract's fields are not those of schema version {SCHEMA_VERSION}: bump SCHEMA_VERSION "
         f"and record {SCHEMA_VERSION + 1}: {fingerprint!r} (docs/upgrades.md)")
+
+
+def test_a_version_1_file_with_the_removed_selector_is_applied_without_it(sidecar, caplog):
+    """Schema version 2 removed spec.selector (pods bind by the label kvpool.dev/policy): a version-1
+    operator's file still carries it; this sidecar drops it, and reports the hash that operator wrote."""
+    doc = rendered()
+    doc["schemaVersion"] = 1
+    doc["selector"] = {"matchLabels": {"app": "qwen-chat"}}
+    text, digest = as_written(doc)
+    with caplog.at_level(logging.INFO, logger="kvpool.sidecar"):
+        assert sidecar.apply_config_text(text, "config.yaml") == ("applied", None, "")
+    assert sidecar.state.config.removed_fields == ("selector",) and "selector" in caplog.text
+    assert config_hash_from_metrics(metrics(sidecar)) == digest  # the old operator counts the pod synced
+    # In a file of this version (or a PUT) the field is refused, saying why.
+    doc["schemaVersion"] = 2
+    with pytest.raises(ConfigError) as err:
+        parse_config_text(as_written(doc)[0])
+    assert err.value.field == "selector" and "kvpool.dev/policy" in str(err.value)
+
+
+def test_a_deleted_policys_running_sidecar_keeps_its_config_and_a_new_one_starts_on_the_defaults(tmp_path, caplog):
+    """Deleting a policy empties its pods' optional ConfigMap volume: the running sidecar keeps the config in
+    force (said once, kvpool_config_file_missing 1); a sidecar starting there runs on the defaults; when a
+    config appears again it is applied."""
+    from kvpool_sidecar.service.server import ServeError, ServeOptions, build
+    from support import kubelet_projection
+
+    root = tmp_path / "kvpool"
+    root.mkdir()
+    text, digest = as_written(rendered())
+    kubelet_projection(root, text, 1)
+    options = ServeOptions(config=str(root / "config.yaml"), pages=64, engine_socket=None)
+    running, _ = build(options)
+    try:
+        assert running.state.hash == digest
+        (root / "config.yaml").unlink()  # kubelet: the ConfigMap is gone, its file with it
+        with caplog.at_level(logging.WARNING, logger="kvpool.sidecar"):
+            assert running.poll_config_file() is None and running.poll_config_file() is None
+        assert running.state.hash == digest and running.state.last_error is None
+        assert running.config_view()["file_missing"] and caplog.text.count("is absent") == 1
+        assert "kvpool_config_file_missing 1.0" in metrics(running)
+
+        fresh, _ = build(options)  # a rescheduled pod: the defaults
+        try:
+            assert fresh.state.config == SidecarConfig() and fresh.state.config.source is None
+            assert "kvpool_config_file_missing 1.0" in metrics(fresh)
+        finally:
+            fresh.close()
+
+        kubelet_projection(root, text.replace("reuse: 0.5", "reuse: 0.4"), 2)  # a policy of that name again
+        assert running.poll_config_file(settled=True) == "invalid"  # edited by hand: its hash no longer matches
+        again = rendered({**SPEC, "eviction": {"policy": "lru", "weights": {"reuse": 0.4}}})
+        (root / "config.yaml").unlink()
+        kubelet_projection(root, as_written(again)[0], 3)
+        assert running.poll_config_file(settled=True) == "applied"
+        assert running.state.config.eviction.weights.reuse == 0.4 and "kvpool_config_file_missing 0.0" in \
+            metrics(running)
+    finally:
+        running.close()
+    with pytest.raises(ServeError, match="neither the file nor its directory"):
+        build(ServeOptions(config=str(tmp_path / "typo" / "config.yaml"), pages=64, engine_socket=None))

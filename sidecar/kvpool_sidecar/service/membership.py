@@ -1,4 +1,5 @@
-"""Where a router's pods come from: a static list, or the Kubernetes API (the pods of a policy).
+"""Where a router's pods come from: a static list, or the Kubernetes API (the pods of a policy: those of
+its namespace with the pod label ``kvpool.dev/policy: NAME``, :func:`~kvpool_sidecar.config.bound_to`).
 
 A source answers the current members as ``{pod name: Endpoint}``: the engine URL requests are routed
 to, and the pod's sidecar URL (page transfers for replica warm-ups). The router polls it; an error
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
-from kvpool_sidecar.config import LabelSelector
+from kvpool_sidecar.config import bound_to, policy_label_selector
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
@@ -67,25 +68,24 @@ def is_serving(pod: dict[str, Any]) -> bool:
 
 @dataclass
 class KubernetesMembership:
-    """The serving pods of ``namespace`` that ``selector`` matches: the engine at ``http://<pod IP>:<port>``,
-    the sidecar at ``http://<pod IP>:<sidecar_port>``.
+    """The serving pods of ``namespace`` bound to ``policy`` (:func:`~kvpool_sidecar.config.bound_to`): the engine at
+    ``http://<pod IP>:<port>``, the sidecar at ``http://<pod IP>:<sidecar_port>``.
 
-    The selector goes to the API server as ``labelSelector`` and is applied again here, so a server
+    The label goes to the API server as ``labelSelector`` and is checked again here, so a server
     that ignores it (an emulator) gives the same answer.
     """
 
     namespace: str
-    selector: LabelSelector
+    policy: str
     port: int = 8000
     sidecar_port: int = 8100
     list_pods: Callable[[str, str], list[dict[str, Any]]] | None = None
 
     def members(self) -> dict[str, Endpoint]:
-        pods = (self.list_pods or _list_pods)(self.namespace, self.selector.to_query())
+        pods = (self.list_pods or _list_pods)(self.namespace, policy_label_selector(self.policy))
         out = {}
         for pod in pods:
-            labels = (pod.get("metadata") or {}).get("labels") or {}
-            if self.selector.matches(labels) and is_serving(pod):
+            if bound_to(pod, self.policy) and is_serving(pod):
                 ip = pod["status"]["podIP"]
                 out[pod["metadata"]["name"]] = Endpoint(f"http://{ip}:{self.port}", f"http://{ip}:{self.sidecar_port}")
         return out

@@ -87,6 +87,11 @@ class SidecarMetrics:
             "kvpool_config_unknown_fields", "Fields of the config in force, written by an operator one schema "
             "version newer, that this sidecar does not know and ignores (value 1)", ["field"], registry=r,
         )
+        self.config_file_missing = Gauge(
+            "kvpool_config_file_missing", "1 while the config file (--config) is absent: its policy was deleted "
+            "or its ConfigMap is not written yet; the config in force stays (the defaults, for a sidecar that "
+            "started without one)", registry=r,
+        )
         self._define_engine_and_transfer(r)
         self._start_at_zero()
 

@@ -182,6 +182,8 @@ class ConfigView(_Wire):
     last_error: str | None
     notice: str | None = Field(default=None, description="what the config in force did beyond its values, "
                                "e.g. the oldest pins it removed to fit a lowered pin quota")
+    file_missing: bool = Field(default=False, description="the --config file is absent (its policy deleted, or "
+                               "its ConfigMap not written yet): the config in force stays")
     reloads: dict[str, int]
     to_b_share_percent: float = Field(description="to-B's share of pages in force now (workloads.toB.schedule's "
                                       "window at this hour, else isolationPercent)")

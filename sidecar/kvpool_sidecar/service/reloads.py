@@ -1,7 +1,10 @@
 """The config in force and its reloads: from the file (file events or polling) or a PUT, applied only
 when it parses, validates and matches its ``source.hash``; the config in force stays otherwise. A file
 of the next schema version (a newer operator's) is applied without the fields this sidecar does not
-know: they are logged, named in ``notice`` and in ``kvpool_config_unknown_fields``."""
+know: they are logged, named in ``notice`` and in ``kvpool_config_unknown_fields``. A file that goes away
+(its policy deleted: the pod's optional ConfigMap volume empties) leaves the config in force as it is,
+logged once and shown by ``kvpool_config_file_missing``; a sidecar started without its file runs on the
+defaults until the file appears."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ class ConfigState:
     file_digest: str = ""
     pending_digest: str = ""
     notice: str | None = None  # what the last applied config did beyond its values (pins it removed)
+    file_missing: bool = False  # the config file is absent (its policy deleted): the config in force stays
 
 
 class ConfigReloads:
@@ -41,6 +45,7 @@ class ConfigReloads:
             "source": cfg.source.model_dump() if cfg.source else None,
             "last_error": self.state.last_error,
             "notice": self.state.notice,
+            "file_missing": self.state.file_missing,
             "reloads": dict(self.state.reloads),
             "to_b_share_percent": self.pool.spec.workloads.toB.isolationPercent,  # the schedule's, in force now
             "prompts": [state.view() for state in self.prompts.states.values()],
@@ -84,6 +89,9 @@ class ConfigReloads:
         self._count("applied")
         self._set_config_metrics()
         log.info("config applied from %s: hash %s, policy %s", origin, new_hash, config.eviction.policy)
+        if config.removed_fields:
+            log.info("config schema version %s is older than this sidecar's %s: ignored the fields removed since "
+                     "(%s)", config.schema_version, SCHEMA_VERSION, ", ".join(config.removed_fields))
         return "applied", None, ""
 
     def _report_unpinned(self, unpinned: list[Any], config: SidecarConfig) -> str:
@@ -142,9 +150,23 @@ class ConfigReloads:
             self.state.notice = f"{self.state.notice}; {ignored}" if self.state.notice else ignored
 
     def mark_config_file_read(self) -> None:
-        """The file's current content is what the sidecar started with: do not 'reload' it."""
-        if self.config_path is not None:
+        """The file's current content is what the sidecar started with: do not 'reload' it. An absent file
+        (no policy's ConfigMap in the optional volume): the sidecar runs on the defaults until it appears."""
+        if self.config_path is None:
+            return
+        try:
             self.state.file_digest = hashlib.sha256(self.config_path.read_bytes()).hexdigest()
+        except FileNotFoundError:
+            self._file_gone()
+
+    def _file_gone(self) -> None:
+        """The config file is absent: keep the config in force, say so once."""
+        if not self.state.file_missing:
+            log.warning("config file %s is absent (its policy deleted, or its ConfigMap not written yet): keeping "
+                        "config hash %s%s", self.config_path, self.state.hash,
+                        "" if self.state.config.source else " (the defaults)")
+        self.state.file_missing = True
+        self.metrics.config_file_missing.set(1)
 
     def poll_config_file(self, settled: bool = False) -> str | None:
         """Re-read the config file; apply it when its content changed. Kubelet swaps a ``..data``
@@ -154,11 +176,19 @@ class ConfigReloads:
             return None
         try:
             data = self.config_path.read_bytes()
+        except FileNotFoundError:
+            self._file_gone()
+            self.state.pending_digest = ""
+            return None
         except OSError as exc:
             message = f"{self.config_path}: cannot read: {exc.strerror}"
             if self.state.last_error != message:
                 self.reject(message)
             return "invalid"
+        if self.state.file_missing:
+            log.info("config file %s is back", self.config_path)
+            self.state.file_missing = False
+            self.metrics.config_file_missing.set(0)
         digest = hashlib.sha256(data).hexdigest()
         if digest == self.state.file_digest:
             self.state.pending_digest = ""

@@ -11,7 +11,7 @@ from pathlib import Path
 import uvicorn
 from prometheus_client import start_http_server
 
-from kvpool_sidecar.config import SidecarConfig, load_config
+from kvpool_sidecar.config import POLICY_LABEL, SidecarConfig, load_config
 from kvpool_sidecar.errors import InvalidRequest
 from kvpool_sidecar.service.app import DEFAULT_MAX_BODY_BYTES, create_app
 from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, socket_in_use
@@ -115,6 +115,20 @@ def parse_shape(text: str) -> ModelShape:
         raise ServeError(f"--kv-shape: {exc}") from None
 
 
+def initial_config(path: str | None) -> SidecarConfig:
+    """The config a sidecar starts on: its ``--config`` file, or the defaults where that file is absent
+    from a directory that is there (a pod whose policy is deleted, or not yet rendered: its optional
+    ConfigMap volume is empty). The file, once it appears, is applied like any reload. A directory that is
+    not there is a mistyped path: refused."""
+    if not path:
+        return SidecarConfig()
+    if not Path(path).exists():
+        if not Path(path).absolute().parent.is_dir():
+            raise ServeError(f"--config {path}: neither the file nor its directory exists")
+        return SidecarConfig()  # reloads.mark_config_file_read logs it and sets kvpool_config_file_missing
+    return load_config(path)
+
+
 def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
     if options.pages < 1:
         raise ServeError("--pages must be at least 1")
@@ -122,7 +136,7 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
         raise ServeError(f"--engine-socket {options.engine_socket}: another process serves it (a second sidecar "
                          "on this host needs its own path)")
     token = read_credentials(options)
-    config = load_config(options.config) if options.config else SidecarConfig()
+    config = initial_config(options.config)
     try:
         check_prompts_fit(config.spec(), options.pages)
     except InvalidRequest as exc:
@@ -199,12 +213,17 @@ def build_router(options: RouterOptions) -> RouterService:
         except ValueError as exc:
             raise ServeError(str(exc)) from None
     else:
-        namespace = options.namespace or (config.source.namespace if config.source else None) or default_namespace()
+        policy = config.source.name if config.source else ""
+        if not policy:
+            raise ServeError(f"--config {options.config or '(none)'} names no policy (source.name, which a config "
+                             "rendered by the operator has): the router follows the pods labelled "
+                             f"{POLICY_LABEL}: NAME of that policy; give --pod name=url items for static members")
+        namespace = options.namespace or config.source.namespace or default_namespace()
         if not namespace:
             raise ServeError("give --pod name=url items, or --namespace (or a config rendered by the operator) "
                              "to follow the policy's pods through the Kubernetes API")
         load_kube_config()
-        source = KubernetesMembership(namespace, config.selector, options.engine_port, options.sidecar_port)
+        source = KubernetesMembership(namespace, policy, options.engine_port, options.sidecar_port)
     token = None
     if options.sidecar_token_file:
         try:
