@@ -32,6 +32,7 @@ def cmd_crd(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     import kopf
 
+    import kvpool_operator.handlers  # noqa: F401  (registers the handlers)
 
     server = None
     if args.metrics_port:

@@ -692,10 +692,15 @@ def test_the_example_sidecar_started_scaled_down_fits_its_limit_scaled_up():
 def test_a_pool_larger_than_its_shm_mount_is_refused_at_start_naming_the_sizes():
     import os
 
-    free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-    pages = free // (2 * 2 * 64 * 4 * 32) + 1024  # the tiny model's pages, a thousand more than fit
+    # More pages than the whole mount holds (not just what is free now: another process freeing memory in
+    # between must not let a pool of the machine's size start).
+    size = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
+    pages = size // (2 * 2 * 64 * 4 * 32) + 1024  # the tiny model's pages, a thousand more than fit
     proc, _ = _start(["--kv-shape", "2,2,64,float32", "--pages", str(pages)])
-    proc.wait(60)
+    try:
+        proc.wait(60)
+    finally:
+        proc.kill()
     err = proc.stderr.read() if proc.stderr else ""
     assert proc.returncode != 0
     assert "of shared memory, and the shm mount has" in err and "GiB free" in err and "--pages" in err
