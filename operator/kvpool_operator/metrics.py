@@ -40,6 +40,10 @@ SYNCED_PODS = Gauge(
     "kvpool_operator_policy_synced_pods", "Of those, pods whose sidecar reports the policy's config hash "
     "(status.syncedPods)", ["policy_namespace", "policy"], registry=REGISTRY,
 )
+MISBOUND_PODS = Gauge(
+    "kvpool_operator_policy_misbound_pods", "Live pods labelled kvpool.dev/policy=<policy> whose sidecar does not "
+    "mount its ConfigMap (status.misboundPods)", ["policy_namespace", "policy"], registry=REGISTRY,
+)
 for _handler in HANDLERS:  # every series at 0 from the start: rate() and increase() see the first one
     RECONCILES.labels(_handler)
     SECONDS.labels(_handler)
@@ -73,12 +77,14 @@ def publish(namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]
     """Export a policy's pod counts from the status about to be written; returns the status."""
     TARGET_PODS.labels(namespace, name).set(int(status.get("targetPods") or 0))
     SYNCED_PODS.labels(namespace, name).set(int(status.get("syncedPods") or 0))
+    if "misboundPods" in status:  # absent: not looked at this time (an invalid spec), the last count stands
+        MISBOUND_PODS.labels(namespace, name).set(int(status["misboundPods"]))
     return status
 
 
 def forget(namespace: str, name: str) -> None:
     """A deleted policy's series go with it."""
-    for gauge in (TARGET_PODS, SYNCED_PODS):
+    for gauge in (TARGET_PODS, SYNCED_PODS, MISBOUND_PODS):
         try:
             gauge.remove(namespace, name)
         except KeyError:

@@ -179,11 +179,13 @@ def test_mis_bound_pods_are_surfaced_and_the_configmap_is_written_all_the_same(c
     resync()
     st = status(api, "chat")
     assert cond(st, "Bound")["status"] == "True" and st["misboundPods"] == 0 and st["targetPods"] == 1
+    assert operator_sample("kvpool_operator_policy_misbound_pods", policy_namespace=NS, policy="chat") == 0
 
     core.patch_namespaced_pod("stray", NS, {"metadata": {"labels": {"kvpool.dev/policy": "chat"}}})  # again
     resync()
     st = status(api, "chat")
     assert cond(st, "Bound")["status"] == "False" and len(posted(emulator, "PodsMisbound")) == 2
+    assert operator_sample("kvpool_operator_policy_misbound_pods", policy_namespace=NS, policy="chat") == 1  # alerted
 
 
 def test_a_foreign_configmap_is_left_alone_and_reported(cluster):
