@@ -42,11 +42,13 @@ class Peers:
             await self.server.start()
 
     async def serve_until_cancelled(self) -> None:
+        populate = asyncio.create_task(asyncio.to_thread(self.agent.populate))  # reads fault as they go meanwhile
         try:
             if self.server is not None:
                 await self.server.serve_until_cancelled()
             else:
                 await asyncio.Event().wait()
         finally:
+            populate.cancel()
             await self.client.close()
             self.agent.close()

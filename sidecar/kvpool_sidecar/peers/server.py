@@ -134,6 +134,7 @@ class PeerServer:
         try:
             offer, seq = await self.host.run_background(self._hold, msg)
         except PoolError as exc:
+            self.host.metrics.peer_refused.labels("busy").inc()
             writer.write(p.frame(p.Refused("busy", str(exc))))
             await writer.drain()
             return True

@@ -173,7 +173,7 @@ class SidecarMetrics:
             self.connector_tokens.labels(direction)
         for result in ("hit", "partial", "miss", "timeout", "refused", "error", "not_member"):
             self.peer_fetches.labels(result)
-        for reason in ("unauthorized", "protocol", "timeout", "too_many"):
+        for reason in ("unauthorized", "protocol", "timeout", "too_many", "busy"):
             self.peer_refused.labels(reason)
         for operation in ("lookup", "load", "save", "save_skipped"):
             self.connector_failures.labels(operation)
