@@ -2,16 +2,21 @@
 
     .venv/bin/python bench/replicas.py                  # 64 MiB fetches of Qwen2.5-7B-shaped pages, 10 rounds
     .venv/bin/python bench/replicas.py --mib 16 --rounds 5
+    .venv/bin/python bench/replicas.py --huge-shm         # /dev/shm as a tmpfs in huge pages (needs unshare -m)
 
 A real ``kvpool-sidecar serve --peer-port`` (the source) holds one prompt of ``--mib`` MiB of the pool's own
 pages per round, saved through its engine channel as an engine saves them (random KV). This process is the
 reader: a sidecar with its own shared pool and NIXL agent whose peer client fetches each round's prompt
 from the source (the whole path: the control round trip, the source's hold, the admission here, the NIXL
 READ of the held pages into fresh pages, the commit, the done) and checks the bytes against the source's.
-Beside each fetch, in the same run: a plain ``copy_`` of the same number of bytes between two halves of a
-second shared segment laid out as a pool (shared memory, as both pools are) and between two buffers of process
-memory. The first
-``--warmup`` rounds touch the pages for the first time and are not counted; the figures are medians.
+Beside each fetch, in the same run, plain copies of the same number of bytes: one core's ``memcpy``
+(``np.copyto``; a NIXL read is one kernel copy on one core) between two halves of a second shared segment laid
+out as a pool (shared memory, in 4 KiB pages unless the machine lets tmpfs use huge pages, as both pools are)
+and between two buffers of process memory (which the kernel backs with huge pages), and torch's ``copy_`` of
+the shared segment (every core). The first ``--warmup`` rounds touch the pages for the first time and are not
+counted; the figures are medians. ``--huge-shm`` runs the same in a mount namespace of its own whose
+``/dev/shm`` is a tmpfs mounted ``huge=always`` (both pools in 2 MiB pages: the kernel's single copy pins a
+page at a time, and 4 KiB pages cost it roughly 40 % of its speed on this machine).
 
 Two vLLM replicas with their own sidecars (tokens computed, TTFT with and without the hint) are not built
 here yet: they need the engine's lookup path to fetch (issue 66's next part).
@@ -31,6 +36,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +53,10 @@ from kvpool_sidecar.storage import KVStorage, ModelShape  # noqa: E402
 from kvpool_sidecar.storage.transfer import TransferKeys  # noqa: E402
 
 MODEL = "bench@replicas"
+FETCH = "peer fetch (NIXL READ, the whole fetch path)"
+SHM = "plain copy, one core, the pool's shared memory"
+ANON = "plain copy, one core, process memory"
+TORCH = "plain copy, torch copy_ (every core), shared memory"
 KEYS = TransferKeys.parse("bench " + "k" * 40)
 
 
@@ -100,6 +110,17 @@ def fill(sock: str, blocks: list[bytes], page_size: int) -> torch.Tensor:
         conn.close()
 
 
+def in_huge_shm(argv: list[str]) -> int:
+    """This benchmark again, in a mount namespace whose /dev/shm is a tmpfs in huge pages."""
+    script = (f"mount -t tmpfs -o size=8g,huge=always tmpfs /dev/shm && grep -q huge=always /proc/self/mounts && "
+              f"exec {sys.executable} {Path(__file__).resolve()} {' '.join(argv)}")
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], check=False)
+    if done.returncode:
+        print("could not run in a mount namespace with a huge-page /dev/shm (unshare -m and mount need root)",
+              file=sys.stderr)
+    return done.returncode
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -111,7 +132,10 @@ def main() -> int:
     parser.add_argument("--page-size", type=int, default=16, help="tokens per page")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--huge-shm", action="store_true", help="/dev/shm as a tmpfs mounted huge=always")
     args = parser.parse_args()
+    if args.huge_shm:
+        return in_huge_shm([a for a in sys.argv[1:] if a != "--huge-shm"])
     layers, heads, dim, dtype = args.shape.split(",")
     shape = ModelShape(int(layers), int(heads), int(dim), dtype)
     page_bytes = shape.bytes_per_page(args.page_size)
@@ -152,12 +176,10 @@ def measure(shape: ModelShape, page_size: int, per_fetch: int, nbytes: int, prom
         return read(descs, name)
 
     peers.agent.read = counted  # type: ignore[method-assign]
-    anon_src, anon_dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    anon_src.fill_(1)
-    anon_dst.fill_(0)
-    figures: dict[str, list[float]] = {"peer fetch (NIXL READ, whole path)": [],
-                                       "plain copy_, the pool's shared memory": [],
-                                       "plain copy_, process memory": []}
+    anon_src, anon_dst = np.ones(nbytes, dtype=np.uint8), np.zeros(nbytes, dtype=np.uint8)
+    shm_bytes = plain.kv.view(-1).view(torch.uint8).numpy()
+    shm_src, shm_dst = shm_bytes[:nbytes], shm_bytes[nbytes:]
+    figures: dict[str, list[float]] = {FETCH: [], SHM: [], ANON: [], TORCH: []}
     loop = asyncio.new_event_loop()
     try:
         for r, blocks in enumerate(prompts):
@@ -169,16 +191,16 @@ def measure(shape: ModelShape, page_size: int, per_fetch: int, nbytes: int, prom
             _, got = sidecar.pool.cached_prefix(block_hashes=pool_keys(MODEL, blocks))
             if not torch.equal(storage.kv[got], source_kv[r]):
                 raise RuntimeError(f"round {r}: the fetched bytes differ from the source's")
-            start = time.perf_counter()
-            plain.kv[per_fetch:].copy_(plain.kv[:per_fetch])
-            shm = time.perf_counter() - start
-            start = time.perf_counter()
-            anon_dst.copy_(anon_src)
-            anon = time.perf_counter() - start
+            timed = {FETCH: fetch}
+            for name, copy in ((SHM, lambda: np.copyto(shm_dst, shm_src)),
+                               (ANON, lambda: np.copyto(anon_dst, anon_src)),
+                               (TORCH, lambda: plain.kv[per_fetch:].copy_(plain.kv[:per_fetch]))):
+                start = time.perf_counter()
+                copy()
+                timed[name] = time.perf_counter() - start
             if r >= warmup:
-                figures["peer fetch (NIXL READ, whole path)"].append(gbps(nbytes, fetch))
-                figures["plain copy_, the pool's shared memory"].append(gbps(nbytes, shm))
-                figures["plain copy_, process memory"].append(gbps(nbytes, anon))
+                for name, seconds in timed.items():
+                    figures[name].append(gbps(nbytes, seconds))
     finally:
         loop.run_until_complete(peers.client.close())
         loop.close()
@@ -186,10 +208,10 @@ def measure(shape: ModelShape, page_size: int, per_fetch: int, nbytes: int, prom
         sidecar.close()
         storage.close()
         plain.close()
-    fetch_median = statistics.median(figures["peer fetch (NIXL READ, whole path)"])
+    fetch_median = statistics.median(figures[FETCH])
     for name, values in figures.items():
         median = statistics.median(values)
-        print(f"{name:<40} {median:6.2f} GB/s (min {min(values):.2f}, max {max(values):.2f})")
+        print(f"{name:<52} {median:6.2f} GB/s (min {min(values):.2f}, max {max(values):.2f})")
     for name in list(figures)[1:]:
         print(f"peer fetch / {name}: {fetch_median / statistics.median(figures[name]):.2f}x")
     print(f"descriptors per fetch (runs of pages contiguous on both sides): {sorted(set(runs))}; "

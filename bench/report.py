@@ -105,7 +105,11 @@ def sections(synth_dir: str) -> list[Section]:
                 "(Qwen2.5-7B-shaped, 16-token pages) per round and a reader fetching them over NIXL (UCX, one "
                 "kernel copy), the whole fetch path timed, bytes checked; beside each fetch, plain `copy_`s of "
                 "the same bytes. Issue 66's target: at least 0.7x a plain copy.",
-                ["python", "bench/replicas.py"]),
+                ["python", "bench/replicas.py", "--rounds", "20"]),
+        Section("Peer fetch throughput (NIXL), /dev/shm in huge pages",
+                "The same with both pools on a tmpfs mounted `huge=always` (a mount namespace of the benchmark's "
+                "own): what the kernel's single copy does without pinning 4 KiB pages one by one.",
+                ["python", "bench/replicas.py", "--rounds", "20", "--huge-shm"]),
         Section("Operator reconcile latency", "From a policy update to its ConfigMap, against KMock's emulator.",
                 ["python", "bench/reconcile_latency.py"]),
         Section("A real engine: vLLM serving from kvpool", "800 requests of the conversation trace through real "
