@@ -103,8 +103,9 @@ def sections(synth_dir: str) -> list[Section]:
         Section("Peer fetch throughput (NIXL) beside a plain copy",
                 "Two sidecars on this machine: a real `serve --peer-port` holding 64 MiB of its pool's own pages "
                 "(Qwen2.5-7B-shaped, 16-token pages) per round and a reader fetching them over NIXL (UCX, one "
-                "kernel copy), the whole fetch path timed, bytes checked; beside each fetch, plain `copy_`s of "
-                "the same bytes. Issue 66's target: at least 0.7x a plain copy.",
+                "kernel copy), the whole fetch path timed, bytes checked; beside each fetch, plain copies of "
+                "the same bytes (one core's memcpy, as a NIXL read is one kernel copy on one core; torch's copy_ "
+                "on every core). Issue 66's target: at least 0.7x a plain copy.",
                 ["python", "bench/replicas.py", "--rounds", "20"]),
         Section("Peer fetch throughput (NIXL), /dev/shm in huge pages",
                 "The same with both pools on a tmpfs mounted `huge=always` (a mount namespace of the benchmark's "

@@ -281,7 +281,7 @@ def test_a_source_stopped_mid_read_still_holds_its_pages_so_what_is_published_is
 
         reader.peers.agent.read = stop_then_read
         try:
-            result = reader.fetch(source.address, blocks, budget=1.0)
+            result = reader.fetch(source.address, blocks, budget=0.4)
         finally:
             os.kill(source.proc.pid, signal.SIGCONT)
         if result.result == "hit":  # a single-copy read needs nothing of the stopped process
@@ -333,3 +333,100 @@ def test_serving_peers_needs_the_cluster_key_and_the_pools_kv():
         build_peers(ServeOptions(peers="a:1"), sidecar)
     assert build_peers(ServeOptions(), sidecar) is None
     sidecar.close()
+
+
+class Served:
+    """A peer server in this process over a pool holding ``blocks`` (for what a real client cannot make it do)."""
+
+    def __init__(self, blocks: list[bytes], hold_seconds: float = 2.0) -> None:
+        from kvpool_sidecar.peers.agent import PeerAgent
+        from kvpool_sidecar.peers.host import pool_keys
+        from kvpool_sidecar.peers.server import PeerServer
+
+        self.storage = KVStorage(SHAPE, PS, pages=16, shared=True)
+        self.sidecar = Sidecar(SidecarConfig.model_validate(CONFIG), 16, storage=self.storage,
+                               transfer_keys=CLUSTER_KEYS)
+        pool = self.sidecar.pool
+        pool.admit("fill", block_hashes=pool_keys(MODEL, blocks), num_tokens=len(blocks) * PS)
+        pool.commit("fill", len(blocks) * PS)
+        pool.release("fill")
+        kv = self.storage.kv
+        self.agent = PeerAgent(kv.data_ptr(), kv.numel() * kv.element_size())
+        self.server = PeerServer(self.sidecar, self.agent, CLUSTER_KEYS, 0, "127.0.0.1", hold_seconds)
+
+    async def connect(self, secret: bytes = CLUSTER_KEYS.signing[1]):
+        """A raw client through the handshake: (reader, writer, the server's accept or refusal)."""
+        from kvpool_sidecar.peers.server import _read
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.server.port)
+        challenge = await _read(reader, protocol.MAX_FRAME)
+        mine = protocol.nonce()
+        writer.write(protocol.frame(protocol.Proof(protocol.PROTOCOL, "k1", mine, protocol.proof(
+            secret, b"client", challenge.nonce, mine))))
+        answer = await _read(reader, protocol.MAX_FRAME)
+        if isinstance(answer, protocol.Accept):
+            assert protocol.proved(secret, b"server", challenge.nonce, mine, answer.tag)
+        return reader, writer, answer
+
+    def close(self) -> None:
+        self.agent.close()
+        self.sidecar.close()
+        self.storage.close()
+
+
+@needs_nixl
+def test_a_reader_that_never_says_done_loses_the_hold_at_its_bound_and_its_connection():
+    from kvpool_sidecar.peers.server import _read
+
+    served = Served(hashes(3, "held"), hold_seconds=0.2)
+
+    async def go():
+        await served.server.start()
+        progress = asyncio.create_task(served.server.serve_until_cancelled())
+        reader, writer, accept = await served.connect()
+        assert isinstance(accept, protocol.Accept)
+        writer.write(protocol.frame(protocol.Fetch(MODEL, hashes(4, "held"), wire.Meta())))
+        offer = await _read(reader, protocol.MAX_FRAME)
+        assert isinstance(offer, protocol.Offer) and len(offer.pages) == 3
+        assert len(served.sidecar.pool.sequences.live) == 1  # held: in use, never evicted nor rewritten
+        start = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 2) == b""  # closed at the bound
+        assert 0.1 < time.monotonic() - start < 1.0
+        await asyncio.sleep(0.05)
+        assert not served.sidecar.pool.sequences.live
+        served.sidecar.pool.check_invariants()
+        writer.close()
+        progress.cancel()
+
+    try:
+        asyncio.run(go())
+    finally:
+        served.close()
+
+
+@needs_nixl
+def test_a_reader_refuses_a_server_that_cannot_prove_the_key_and_reads_nothing_from_it(monkeypatch):
+    from kvpool_sidecar.peers.server import _read
+
+    async def impostor(reader, writer):  # answers any proof with a made-up one and its own agent
+        writer.write(protocol.frame(protocol.Challenge(protocol.PROTOCOL, protocol.nonce())))
+        await _read(reader, protocol.MAX_FRAME)
+        writer.write(protocol.frame(protocol.Accept(b"x" * 32, "impostor", b"meta", protocol.Layout(
+            (SHAPE.layers, SHAPE.kv_heads, SHAPE.head_dim, SHAPE.dtype), PS, SHAPE.bytes_per_page(PS), 16, 0))))
+        await writer.drain()
+        await reader.read()
+
+    async def go(reader_side: Reader):
+        server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+        peer = ("127.0.0.1", server.sockets[0].getsockname()[1])
+        reader_side.peers.client.members = frozenset({peer})
+        added = []
+        monkeypatch.setattr(reader_side.peers.agent, "add_peer", lambda meta: added.append(meta))
+        result = await reader_side.peers.client.fetch(peer, MODEL, hashes(2), WorkloadMeta(), 2.0)
+        server.close()
+        return result, added
+
+    with Reader() as reader_side:
+        result, added = reader_side.loop.run_until_complete(go(reader_side))
+        assert result.result == "refused" and not added  # its metadata never reached the agent
+        reader_side.assert_clean()

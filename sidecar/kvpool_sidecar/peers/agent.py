@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import logging
+import os
 import secrets
 import socket
 from typing import Any
@@ -25,12 +26,16 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range's pages into this process'
 
 def nixl_api() -> Any:
     """NIXL's Python API (``nixl._api``; the CUDA 12 build's own module where the meta package is absent), or
-    None where neither is installed."""
+    None where neither is installed. NIXL's own INFO lines (its handler writes them to stdout, outside the
+    sidecar's log) are quieted unless ``NIXL_LOG_LEVEL`` asks for them."""
     for name in ("nixl._api", "nixl_cu12._api"):
         try:
-            return importlib.import_module(name)
+            api = importlib.import_module(name)
         except ImportError:
             continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return api
     return None
 
 
