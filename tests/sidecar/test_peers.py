@@ -430,3 +430,23 @@ def test_a_reader_refuses_a_server_that_cannot_prove_the_key_and_reads_nothing_f
         result, added = reader_side.loop.run_until_complete(go(reader_side))
         assert result.result == "refused" and not added  # its metadata never reached the agent
         reader_side.assert_clean()
+
+
+@needs_nixl
+def test_concurrent_fetches_from_one_peer_share_one_connection_and_each_gets_its_bytes(source):
+    first, second = hashes(3, "both-a"), hashes(2, "both-b")
+    kv_first, kv_second = source.fill(first), source.fill(second)
+    with Reader(source.address) as reader:
+        client = reader.peers.client
+        add_peer, added = reader.peers.agent.add_peer, []
+        reader.peers.agent.add_peer = lambda meta: added.append(meta) or add_peer(meta)
+
+        async def both():
+            return await asyncio.gather(client.fetch(source.address, MODEL, first, WorkloadMeta(), 2.0),
+                                        client.fetch(source.address, MODEL, second, WorkloadMeta(), 2.0))
+
+        results = reader.loop.run_until_complete(both())
+        assert [r.result for r in results] == ["hit", "hit"] and len(added) == 1  # one handshake
+        assert torch.equal(reader.cached_kv(first), kv_first) and torch.equal(reader.cached_kv(second), kv_second)
+        reader.assert_clean()
+    source.idle()

@@ -78,6 +78,7 @@ class PeerClient:
         self.members = members  # the peers this sidecar fetches from (--peers); any other is refused unasked
         self.layout = layout_of(host)
         self._connections: dict[tuple[str, int], _Connection] = {}
+        self._connecting = asyncio.Lock()  # one handshake at a time: two fetches never make two connections
         self._parked: set[asyncio.Task] = set()  # reads NIXL could not abort: their pages wait for them
 
     async def fetch(self, peer: tuple[str, int], model: str, hashes: list[bytes], meta: WorkloadMeta,
@@ -217,9 +218,11 @@ class PeerClient:
         await self.host.run_background(_release, self.host, seq)
 
     async def _connection(self, peer: tuple[str, int]) -> _Connection:
-        conn = self._connections.get(peer)
-        if conn is not None:
-            return conn
+        async with self._connecting:
+            conn = self._connections.get(peer)
+            return conn if conn is not None else await self._connect(peer)
+
+    async def _connect(self, peer: tuple[str, int]) -> _Connection:
         reader, writer = await asyncio.open_connection(*peer, limit=p.MAX_FRAME)
         try:
             challenge = await _read(reader, p.MAX_HANDSHAKE_FRAME)
