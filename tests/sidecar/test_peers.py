@@ -198,6 +198,9 @@ def test_a_fetch_writes_the_sources_bytes_and_publishes_them_then_releases_the_h
         assert (result.result, result.pages, result.cached_pages) == ("partial", 6, 6)
         assert result.nbytes == 6 * SHAPE.bytes_per_page(PS)
         assert torch.equal(reader.cached_kv(blocks), kv)
+        registry = reader.sidecar.metrics.registry
+        assert registry.get_sample_value("kvpool_peer_fetches_total", {"result": "partial"}) == 1
+        assert registry.get_sample_value("kvpool_peer_fetch_pages_total") == 6
         source.idle()
         # Only past what is cached here: a longer prompt fetches its two new pages, the first six stay.
         more = hashes(2, "ok-more")
@@ -292,30 +295,6 @@ def test_a_source_stopped_mid_read_still_holds_its_pages_so_what_is_published_is
     source.idle()
 
 
-@needs_nixl
-def test_a_source_killed_mid_fetch_costs_a_miss_and_publishes_nothing(source):
-    blocks = hashes(5, "killed")
-    source.fill(blocks)
-    with Reader(source.address) as reader:
-        read = reader.peers.agent.read
-
-        def kill_then_read(*args):  # the offer came, the pages are held: the source dies before the read
-            source.proc.kill()
-            source.proc.wait()
-            return read(*args)
-
-        reader.peers.agent.read = kill_then_read
-        start = time.monotonic()
-        result = reader.fetch(source.address, blocks, budget=1.0)
-        assert result.result in ("error", "timeout") and result.pages == 0
-        assert time.monotonic() - start < 1.5
-        assert reader.sidecar.pool.stats().cached_pages == 0  # nothing unwritten was published
-        reader.assert_clean()
-        reader.peers.agent.read = read
-        assert reader.fetch(source.address, blocks, budget=0.5).result in ("error", "timeout")  # gone for good
-        reader.assert_clean()
-
-
 def test_nixl_missing_is_named_with_the_extra_that_brings_it(monkeypatch):
     monkeypatch.setattr(peer_agent, "nixl_api", lambda: None)
     with pytest.raises(peer_agent.NixlMissing, match=r"kvpool\[peers\]"):
@@ -396,6 +375,15 @@ def test_a_reader_that_never_says_done_loses_the_hold_at_its_bound_and_its_conne
         assert not served.sidecar.pool.sequences.live
         served.sidecar.pool.check_invariants()
         writer.close()
+        # A reader whose process dies (its connection ends) mid-read: the hold goes at once, not at the bound.
+        reader, writer, _ = await served.connect()
+        writer.write(protocol.frame(protocol.Fetch(MODEL, hashes(3, "held"), wire.Meta())))
+        assert isinstance(await _read(reader, protocol.MAX_FRAME), protocol.Offer)
+        assert len(served.sidecar.pool.sequences.live) == 1
+        writer.transport.abort()
+        await asyncio.sleep(0.05)
+        assert not served.sidecar.pool.sequences.live
+        served.sidecar.pool.check_invariants()
         progress.cancel()
 
     try:
@@ -450,3 +438,27 @@ def test_concurrent_fetches_from_one_peer_share_one_connection_and_each_gets_its
         assert torch.equal(reader.cached_kv(first), kv_first) and torch.equal(reader.cached_kv(second), kv_second)
         reader.assert_clean()
     source.idle()
+
+
+@needs_nixl  # last: the module's source process dies here (a later test would start another)
+def test_a_source_killed_mid_fetch_costs_a_miss_and_publishes_nothing(source):
+    blocks = hashes(5, "killed")
+    source.fill(blocks)
+    with Reader(source.address) as reader:
+        read = reader.peers.agent.read
+
+        def kill_then_read(*args):  # the offer came, the pages are held: the source dies before the read
+            source.proc.kill()
+            source.proc.wait()
+            return read(*args)
+
+        reader.peers.agent.read = kill_then_read
+        start = time.monotonic()
+        result = reader.fetch(source.address, blocks, budget=1.0)
+        assert result.result in ("error", "timeout") and result.pages == 0
+        assert time.monotonic() - start < 1.5
+        assert reader.sidecar.pool.stats().cached_pages == 0  # nothing unwritten was published
+        reader.assert_clean()
+        reader.peers.agent.read = read
+        assert reader.fetch(source.address, blocks, budget=0.5).result in ("error", "timeout")  # gone for good
+        reader.assert_clean()
