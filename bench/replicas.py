@@ -5,9 +5,9 @@
     .venv/bin/python bench/replicas.py --huge-shm         # /dev/shm as a tmpfs in huge pages (needs unshare -m)
 
 A real ``kvpool-sidecar serve --peer-port`` (the source) holds one prompt of ``--mib`` MiB of the pool's own
-pages per round, saved through its engine channel as an engine saves them (random KV). This process is the
-reader: a sidecar with its own shared pool and NIXL agent whose peer client fetches each round's prompt
-from the source (the whole path: the control round trip, the source's hold, the admission here, the NIXL
+pages per round, saved through its engine channel as an engine saves them (random KV) just before the round.
+This process is the reader: a sidecar with its own shared pool and NIXL agent whose peer client fetches each
+round's prompt from the source (the whole path: the control round trip, the source's hold, the admission here, the NIXL
 READ of the held pages into fresh pages, the commit, the done) and checks the bytes against the source's.
 Beside each fetch, in the same run, plain copies of the same number of bytes: one core's ``memcpy``
 (``np.copyto``; a NIXL read is one kernel copy on one core) between two halves of a second shared segment laid
@@ -112,7 +112,7 @@ def fill(sock: str, blocks: list[bytes], page_size: int) -> torch.Tensor:
 
 def in_huge_shm(argv: list[str]) -> int:
     """This benchmark again, in a mount namespace whose /dev/shm is a tmpfs in huge pages."""
-    script = (f"mount -t tmpfs -o size=8g,huge=always tmpfs /dev/shm && grep -q huge=always /proc/self/mounts && "
+    script = (f"mount -t tmpfs -o size=2g,huge=always tmpfs /dev/shm && grep -q huge=always /proc/self/mounts && "
               f"exec {sys.executable} {Path(__file__).resolve()} {' '.join(argv)}")
     done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], check=False)
     if done.returncode:
@@ -145,18 +145,17 @@ def main() -> int:
     print(f"{per_fetch} pages of {page_bytes} bytes ({args.page_size} tokens of {args.shape}) a fetch: "
           f"{nbytes / 2**20:.1f} MiB; {args.rounds} rounds after {args.warmup} of warm-up; medians")
     with tempfile.TemporaryDirectory(prefix="kvp-bench-") as tmp:
-        proc, _, peer_port, sock = start_source(Path(tmp), shape, args.page_size, per_fetch * rounds + 8)
+        # Room for two rounds' prompts: each round's is saved just before its fetch, the last but one evicted.
+        proc, _, peer_port, sock = start_source(Path(tmp), shape, args.page_size, 2 * per_fetch + 8)
         try:
-            prompts = [[f"r{r}b{i}".encode() for i in range(per_fetch)] for r in range(rounds)]
-            source_kv = [fill(sock, blocks, args.page_size) for blocks in prompts]
-            return measure(shape, args.page_size, per_fetch, nbytes, prompts, source_kv, peer_port, args.warmup)
+            return measure(shape, args.page_size, per_fetch, nbytes, rounds, sock, peer_port, args.warmup)
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
 
 
-def measure(shape: ModelShape, page_size: int, per_fetch: int, nbytes: int, prompts: list[list[bytes]],
-            source_kv: list[torch.Tensor], peer_port: int, warmup: int) -> int:
+def measure(shape: ModelShape, page_size: int, per_fetch: int, nbytes: int, rounds: int, sock: str, peer_port: int,
+            warmup: int) -> int:
     pages = per_fetch + 8  # a fetch's pages and some slack: each round's fetch evicts the last round's
     storage = KVStorage(shape, page_size, pages=pages, shared=True)
     plain = KVStorage(shape, page_size, pages=2 * per_fetch, shared=True)  # the plain copy's two regions
@@ -182,14 +181,16 @@ def measure(shape: ModelShape, page_size: int, per_fetch: int, nbytes: int, prom
     figures: dict[str, list[float]] = {FETCH: [], SHM: [], ANON: [], TORCH: []}
     loop = asyncio.new_event_loop()
     try:
-        for r, blocks in enumerate(prompts):
+        for r in range(rounds):
+            blocks = [f"r{r}b{i}".encode() for i in range(per_fetch)]
+            source_kv = fill(sock, blocks, page_size)
             start = time.perf_counter()
             result = loop.run_until_complete(peers.client.fetch(peer, MODEL, blocks, WorkloadMeta(), 30.0))
             fetch = time.perf_counter() - start
             if result.result != "hit" or result.pages != per_fetch:
                 raise RuntimeError(f"round {r}: the fetch answered {result}")
             _, got = sidecar.pool.cached_prefix(block_hashes=pool_keys(MODEL, blocks))
-            if not torch.equal(storage.kv[got], source_kv[r]):
+            if not torch.equal(storage.kv[got], source_kv):
                 raise RuntimeError(f"round {r}: the fetched bytes differ from the source's")
             timed = {FETCH: fetch}
             for name, copy in ((SHM, lambda: np.copyto(shm_dst, shm_src)),
