@@ -7,6 +7,7 @@ either side."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -436,6 +437,43 @@ def test_concurrent_fetches_from_one_peer_share_one_connection_and_each_gets_its
         results = reader.loop.run_until_complete(both())
         assert [r.result for r in results] == ["hit", "hit"] and len(added) == 1  # one handshake
         assert torch.equal(reader.cached_kv(first), kv_first) and torch.equal(reader.cached_kv(second), kv_second)
+        reader.assert_clean()
+    source.idle()
+
+
+@needs_nixl
+def test_a_fetch_cancelled_mid_read_publishes_nothing_and_leaves_nothing(source):
+    blocks = hashes(3, "cancelled")
+    kv = source.fill(blocks)
+    with Reader(source.address) as reader:
+        read = reader.peers.agent.read
+
+        def stop_then_read(*args):  # a first read needs the stopped source to set its connection up: it waits
+            os.kill(source.proc.pid, signal.SIGSTOP)
+            return read(*args)
+
+        reader.peers.agent.read = stop_then_read
+
+        async def cancel_mid_read():
+            task = asyncio.ensure_future(reader.peers.client.fetch(source.address, MODEL, blocks, WorkloadMeta(), 2.0))
+            await asyncio.sleep(0.15)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for _ in range(100):  # what the cancelled fetch left to end (its release)
+                if not reader.peers.client._parked:
+                    break
+                await asyncio.sleep(0.01)
+            return task
+
+        try:
+            task = reader.loop.run_until_complete(cancel_mid_read())
+        finally:
+            os.kill(source.proc.pid, signal.SIGCONT)
+        if task.cancelled():
+            assert reader.sidecar.pool.stats().cached_pages == 0
+        else:  # the read was over before the cancel: published with the source's bytes
+            assert task.result().result == "hit" and torch.equal(reader.cached_kv(blocks), kv)
         reader.assert_clean()
     source.idle()
 

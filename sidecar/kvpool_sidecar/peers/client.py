@@ -79,7 +79,7 @@ class PeerClient:
         self.layout = layout_of(host)
         self._connections: dict[tuple[str, int], _Connection] = {}
         self._connecting = asyncio.Lock()  # one handshake at a time: two fetches never make two connections
-        self._parked: set[asyncio.Task] = set()  # reads NIXL could not abort: their pages wait for them
+        self._parked: set[asyncio.Task] = set()  # what a fetch left to end: a read NIXL could not abort, a release
 
     async def fetch(self, peer: tuple[str, int], model: str, hashes: list[bytes], meta: WorkloadMeta,
                     budget: float) -> FetchResult:
@@ -192,22 +192,28 @@ class PeerClient:
             log.info("peer read failed to start: %s", exc)
             await host.run_background(_release, host, seq)
             return None
-        while state == PROC and time.monotonic() < read_by:
-            await asyncio.sleep(POLL)
-            state = self.agent.state(handle)
+        try:
+            while state == PROC and time.monotonic() < read_by:
+                await asyncio.sleep(POLL)
+                state = self.agent.state(handle)
+        except asyncio.CancelledError:  # the caller gave up: nothing is published, the pages wait for the read
+            self._keep(self.host.run_background(_release, host, seq) if self.agent.release(handle)
+                       else self._park(handle, seq))
+            raise
         if state == DONE and time.monotonic() <= read_by:
             self.agent.release(handle)
             await host.run_background(_finish, host, seq, len(pages) * ps)
             return len(fresh), len(pages)
-        if state == PROC and not self.agent.release(handle):  # still reading into our pages: they wait for it
-            task = asyncio.create_task(self._park(handle, seq))
-            self._parked.add(task)
-            task.add_done_callback(self._parked.discard)
-            return None
-        if state != PROC:
-            self.agent.release(handle)
-        await host.run_background(_release, host, seq)
+        if self.agent.release(handle):  # done, failed, or aborted: its fresh pages go back unpublished
+            await host.run_background(_release, host, seq)
+        else:  # NIXL could not abort it: its pages stay out of circulation until it ends
+            self._keep(self._park(handle, seq))
         return None
+
+    def _keep(self, job: Any) -> None:
+        task = asyncio.ensure_future(job)
+        self._parked.add(task)
+        task.add_done_callback(self._parked.discard)
 
     async def _park(self, handle: Any, seq: str) -> None:
         log.warning("a peer read could not be aborted: its pages stay out of circulation until it ends")
