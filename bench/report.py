@@ -100,6 +100,17 @@ def sections(synth_dir: str) -> list[Section]:
                 ["python", "bench/sidecar_load.py", "--seconds", "10", "--compare-auth"]),
         Section("Kernels", "Page copies: the torch path on this CPU (Triton is checked bit for bit in the "
                 "tests, under the interpreter).", ["python", "bench/kernels.py"]),
+        Section("Peer fetch throughput (NIXL) beside a plain copy",
+                "Two sidecars on this machine: a real `serve --peer-port` holding 64 MiB of its pool's own pages "
+                "(Qwen2.5-7B-shaped, 16-token pages) per round and a reader fetching them over NIXL (UCX, one "
+                "kernel copy), the whole fetch path timed, bytes checked; beside each fetch, plain copies of "
+                "the same bytes (one core's memcpy, as a NIXL read is one kernel copy on one core; torch's copy_ "
+                "on every core). Issue 66's target: at least 0.7x a plain copy.",
+                ["python", "bench/replicas.py", "--rounds", "20"]),
+        Section("Peer fetch throughput (NIXL), /dev/shm in huge pages",
+                "The same with both pools on a tmpfs mounted `huge=always` (a mount namespace of the benchmark's "
+                "own): what the kernel's single copy does without pinning 4 KiB pages one by one.",
+                ["python", "bench/replicas.py", "--rounds", "20", "--huge-shm"]),
         Section("Operator reconcile latency", "From a policy update to its ConfigMap, against KMock's emulator.",
                 ["python", "bench/reconcile_latency.py"]),
         Section("A real engine: vLLM serving from kvpool", "800 requests of the conversation trace through real "

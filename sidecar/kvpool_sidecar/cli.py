@@ -95,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             metrics_host=args.metrics_host, metrics_port=args.metrics_port, log_level=args.log_level,
             kv_shape=args.kv_shape, transfer_key_file=args.transfer_key_file,
             engine_socket=None if args.engine_socket == "none" else args.engine_socket,
-            engine_quarantine=args.engine_quarantine_seconds,
+            engine_quarantine=args.engine_quarantine_seconds, peer_port=args.peer_port, peer_host=args.peer_host,
+            peers=args.peers,
             **{k: v for k in LIMIT_FLAGS if (v := getattr(args, k)) is not None},
         )
     )
@@ -237,6 +238,11 @@ def _add_serve(sub: Any) -> None:
     srv.add_argument("--engine-quarantine-seconds", type=_seconds, default=wire.QUARANTINE_SECONDS,
                      help="how long the pages of an engine session that ended stay out of circulation before they "
                      f"are released (its engine may still be copying them; default {wire.QUARANTINE_SECONDS:g})")
+    srv.add_argument("--peer-port", type=_port, help="serve this pool's pages to peer sidecars on this TCP port "
+                     "(NIXL reads; needs --transfer-key-file and --kv-shape; default: off)")
+    srv.add_argument("--peer-host", default="0.0.0.0", help="the peer port's address (default: all)")
+    srv.add_argument("--peers", metavar="HOST:PORT,...", help="the peer sidecars this one fetches pages from "
+                     "(their --peer-port)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.set_defaults(func=cmd_serve)
 

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool_sidecar.config import SidecarConfig
+from kvpool_sidecar.peers.node import Peers
 from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, EngineChannel
 from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.service.http import (
@@ -47,14 +48,14 @@ def create_app(
     sidecar: Sidecar, *, token: str | Credentials | None = None, serve_metrics: bool = True, poll_interval: float = 0.5,
     pre_evict_interval: float = 1.0, on_shutdown: Callable[[], None] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_socket: str | None = None,
-    engine_quarantine: float = DEFAULT_QUARANTINE) -> FastAPI:
+    engine_quarantine: float = DEFAULT_QUARANTINE, peers: Peers | None = None) -> FastAPI:
     credentials = as_credentials(token)
     channel = EngineChannel(sidecar, engine_socket, credentials, engine_quarantine) if engine_socket else None
     app = FastAPI(
         title="kvpool sidecar",
         version="0.1.0",
         description="Paged KV-cache pool of one inference pod: prefix reuse, pins, partitions, eviction.",
-        lifespan=_lifespan(sidecar, poll_interval, pre_evict_interval, on_shutdown, channel),
+        lifespan=_lifespan(sidecar, poll_interval, pre_evict_interval, on_shutdown, channel, peers),
         responses=ERROR_RESPONSES,
     )
 
@@ -107,9 +108,10 @@ def create_app(
 
 def _lifespan(
     sidecar: Sidecar, poll_interval: float, pre_evict_interval: float, on_shutdown: Callable[[], None] | None,
-    channel: EngineChannel | None = None,
+    channel: EngineChannel | None = None, peers: Peers | None = None,
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
-    """The app's background jobs (config watch, idle pre-eviction, the engine channel) and its clean-up."""
+    """The app's background jobs (config watch, idle pre-eviction, the engine channel, the peers) and its
+    clean-up."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -121,6 +123,9 @@ def _lifespan(
         if channel is not None:
             await channel.start()  # before the app answers: a ready sidecar's socket exists
             jobs.append(channel.serve_until_cancelled())
+        if peers is not None:
+            await peers.start()  # before the app answers: a ready sidecar serves its peers
+            jobs.append(peers.serve_until_cancelled())
         try:
             async with background(jobs):
                 yield

@@ -115,6 +115,7 @@ class SidecarMetrics:
         self.transfer_refused = Counter(
             "kvpool_transfer_refused", "Page imports refused, by reason (nothing changed)", ["reason"], registry=r,
         )
+        self._define_peers(r)
         self.connector_tokens = Counter(
             "kvpool_connector_tokens", "Tokens an engine's connector copied (loaded: pool -> engine, saved: "
             "engine -> pool, committed)", ["direction"], registry=r,
@@ -130,6 +131,30 @@ class SidecarMetrics:
         self.connector_kv_events = Counter(
             "kvpool_connector_kv_events", "KV events an engine's connector published for kvpool's tier "
             "(stored, removed: one per block)", ["type"], registry=r,
+        )
+
+    def _define_peers(self, r: CollectorRegistry) -> None:
+        """Peer serving and fetching (:mod:`kvpool_sidecar.peers`)."""
+        self.peer_fetches = Counter(
+            "kvpool_peer_fetches", "Fetches of a prompt's leading pages from a peer sidecar, by result",
+            ["result"], registry=r,
+        )
+        self.peer_fetch_pages = Counter(
+            "kvpool_peer_fetch_pages", "Pages fetched from peers and published here", registry=r,
+        )
+        self.peer_fetch_bytes = Counter(
+            "kvpool_peer_fetch_bytes", "Bytes of KV fetched from peers and published here", registry=r,
+        )
+        self.peer_fetch_seconds = Histogram(
+            "kvpool_peer_fetch_seconds", "A peer fetch from its start to its result (hit, miss or failure)",
+            buckets=LOOKUP_BUCKETS, registry=r,
+        )
+        self.peer_served_pages = Counter(
+            "kvpool_peer_served_pages", "Pages held for peers to read (offered to their fetches)", registry=r,
+        )
+        self.peer_refused = Counter(
+            "kvpool_peer_refused", "Peer connections and fetches this sidecar refused, by reason", ["reason"],
+            registry=r,
         )
 
     def _start_at_zero(self) -> None:
@@ -151,6 +176,10 @@ class SidecarMetrics:
             self.transfer_pages.labels(direction)
         for direction in ("loaded", "saved"):
             self.connector_tokens.labels(direction)
+        for result in ("hit", "partial", "miss", "timeout", "refused", "error", "not_member"):
+            self.peer_fetches.labels(result)
+        for reason in ("unauthorized", "protocol", "timeout", "too_many", "busy"):
+            self.peer_refused.labels(reason)
         for operation in ("lookup", "load", "save", "save_skipped"):
             self.connector_failures.labels(operation)
         for kind in ("stored", "removed"):

@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 
 from kvpool_sidecar.config import POLICY_LABEL, SidecarConfig, load_config
 from kvpool_sidecar.errors import InvalidRequest
+from kvpool_sidecar.peers.node import Peers, parse_peers
 from kvpool_sidecar.service.app import DEFAULT_MAX_BODY_BYTES, create_app
 from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, socket_in_use
 from kvpool_sidecar.service.credentials import Credentials
@@ -61,6 +62,9 @@ class ServeOptions:
     max_pins_per_owner: int = DEFAULT_MAX_PINS_PER_OWNER
     engine_socket: str | None = DEFAULT_ENGINE_SOCKET  # the engine channel (None: off)
     engine_quarantine: float = DEFAULT_QUARANTINE  # seconds a lapsed engine session's pages stay out of use
+    peer_port: int | None = None  # serve the pool to peer sidecars (None: off)
+    peer_host: str = "0.0.0.0"
+    peers: str | None = None  # HOST:PORT,... the peer sidecars this one fetches from
 
 
 def is_loopback(host: str) -> bool:
@@ -163,6 +167,22 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
     return sidecar, token
 
 
+def build_peers(options: ServeOptions, sidecar: Sidecar) -> Peers | None:
+    """The peer server (``--peer-port``) and client (``--peers``), or None when neither is asked for."""
+    if options.peer_port is None and not options.peers:
+        return None
+    flag = "--peer-port" if options.peer_port is not None else "--peers"
+    if sidecar.transfer_keys is None:
+        raise ServeError(f"{flag}: peers prove the cluster key to each other: give --transfer-key-file")
+    if sidecar.storage is None:
+        raise ServeError(f"{flag}: peers read and serve the pool's KV: give --kv-shape")
+    try:
+        members = parse_peers(options.peers or "")
+        return Peers(sidecar, sidecar.transfer_keys, port=options.peer_port, bind=options.peer_host, members=members)
+    except (ValueError, RuntimeError) as exc:
+        raise ServeError(str(exc)) from None
+
+
 def instance_name(port: int) -> str:
     """The name of the sidecar serving ``port`` on this host (one per sidecar in a pod): its pool's segment
     is named for it, so that every run of the instance finds and takes over what the last one left."""
@@ -173,13 +193,18 @@ def serve(options: ServeOptions) -> None:
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("watchfiles").setLevel(logging.WARNING)  # the sidecar logs the reloads it applies
     sidecar, token = build(options)
+    try:
+        peers = build_peers(options, sidecar)
+    except ServeError:
+        sidecar.close()
+        raise
     separate_metrics = options.metrics_port is not None
     if separate_metrics:
         # Metrics are read-only and open by design, but only where asked: loopback unless --metrics-host.
         start_http_server(options.metrics_port, options.metrics_host or "127.0.0.1", registry=sidecar.metrics.registry)
     app = create_app(sidecar, token=token, serve_metrics=not separate_metrics, on_shutdown=sidecar.close,
                      max_body_bytes=options.max_body_bytes, engine_socket=options.engine_socket,
-                     engine_quarantine=options.engine_quarantine)
+                     engine_quarantine=options.engine_quarantine, peers=peers)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
     finally:
