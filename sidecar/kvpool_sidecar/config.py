@@ -29,43 +29,28 @@ from kvpool_sidecar.fields import (  # ConfigError, LabelSelector and parse_dura
     minute_of_day,
     parse_duration,
 )
-
-API_GROUP = "kvpool.dev"
-API_VERSION = "v1alpha1"
-KIND = "KVCachePolicy"
-# The one binding of a pod to a policy: the pod label ``kvpool.dev/policy: NAME``. The policy's ConfigMap
-# (kvpool-NAME) is what that pod's sidecar mounts; the operator counts, and a router follows, the pods of
-# the policy's namespace with this label (docs/upgrades.md, "Which config a pod gets").
-POLICY_LABEL = f"{API_GROUP}/policy"
-
-
-def bound_to(pod: dict[str, Any], policy: str) -> bool:
-    """Whether a pod (a mapping, as the API serves it) is bound to ``policy``: its :data:`POLICY_LABEL` names it."""
-    return ((pod.get("metadata") or {}).get("labels") or {}).get(POLICY_LABEL) == policy
-
-
-def policy_label_selector(policy: str) -> str:
-    """The ``labelSelector`` query of a policy's pods (checked again with :func:`bound_to` where a server may
-    ignore it)."""
-    return f"{POLICY_LABEL}={policy}"
-
-# The config file's schema: one more each time the contract gains a field (always with a default, so that
-# a file without it means what it meant before). The operator writes it into every file it renders; a
-# sidecar reads files up to SCHEMA_SKEW versions either side of its own (docs/upgrades.md).
-SCHEMA_VERSION = 2
-SCHEMA_SKEW = 1
-SCHEMA_KEY = "schemaVersion"
-# Top-level fields each schema version removed, and why. A file of an older version (by at most SCHEMA_SKEW)
-# is read without them; anywhere else such a field is refused naming this reason.
-REMOVED_FIELDS: dict[int, dict[str, str]] = {
-    2: {"selector": f"removed in schema version 2: a pod takes a policy's config by the pod label "
-                    f"{POLICY_LABEL}: NAME (docs/upgrades.md)"},
-}
+from kvpool_sidecar.schema import (  # the schema's version and the pod binding: part of this contract too
+    API_GROUP,
+    API_VERSION,
+    KIND,
+    POLICY_LABEL,
+    REMOVED_FIELDS,
+    SCHEMA_KEY,
+    SCHEMA_SKEW,
+    SCHEMA_VERSION,
+    bound_to,
+    policy_label_selector,
+    removal_reason,
+    removed_since,
+    schema_version_of,
+)
 
 EvictionPolicyName = Literal[
     "lru", "fifo", "lfu", "s3fifo", "workload_adaptive"
 ]
-__all__ = ["ConfigError", "LabelSelector", "parse_duration"]  # re-exported: what the contract's users import
+# Re-exported: what the contract's users import.
+__all__ = ["API_GROUP", "API_VERSION", "KIND", "POLICY_LABEL", "REMOVED_FIELDS", "SCHEMA_KEY", "SCHEMA_SKEW",
+           "ConfigError", "LabelSelector", "bound_to", "parse_duration", "policy_label_selector"]
 
 
 class Weights(StrictModel):
@@ -423,14 +408,8 @@ def _error_from(exc: ValidationError, prefix: str) -> ConfigError:
     return ConfigError(field, rule.removeprefix("Value error, "))
 
 
-def removal_reason(path: str) -> str | None:
-    """Why a top-level field is refused, where a schema version removed it (:data:`REMOVED_FIELDS`)."""
-    return next((removed[path] for removed in REMOVED_FIELDS.values() if path in removed), None)
 
 
-def removed_since(version: int) -> set[str]:
-    """The top-level fields removed by the schema versions after ``version``, up to this side's own."""
-    return {name for v, removed in REMOVED_FIELDS.items() if version < v <= SCHEMA_VERSION for name in removed}
 
 
 def validate_spec(data: Any, prefix: str = "spec") -> KVCachePolicySpec:
@@ -444,20 +423,6 @@ def validate_spec(data: Any, prefix: str = "spec") -> KVCachePolicySpec:
         raise _error_from(exc, prefix) from None
 
 
-def schema_version_of(data: dict[str, Any]) -> int:
-    """The schema version a config mapping was written for (unset: this side's own), refused naming
-    ``schemaVersion`` when it is more than :data:`SCHEMA_SKEW` away from :data:`SCHEMA_VERSION`."""
-    version = data.get(SCHEMA_KEY)
-    if version is None:
-        return SCHEMA_VERSION
-    if type(version) is not int:
-        raise ConfigError(SCHEMA_KEY, f"must be an integer, got {version!r}")
-    low, high = SCHEMA_VERSION - SCHEMA_SKEW, SCHEMA_VERSION + SCHEMA_SKEW
-    if not low <= version <= high:
-        raise ConfigError(SCHEMA_KEY, f"{version} is {'newer' if version > high else 'older'} than this sidecar "
-                          f"reads ({low} to {high}; its own is {SCHEMA_VERSION}): upgrade the "
-                          f"{'sidecar' if version > high else 'operator'} (docs/upgrades.md)")
-    return version
 
 
 def validate_config(data: Any) -> SidecarConfig:

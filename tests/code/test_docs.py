@@ -1,7 +1,8 @@
 """Docs say only what the code does: every file a doc, docstring or comment names exists.
 
 A path is resolved from the repository, the package roots, the folder of the file that names it, and
-the shared folder beside the checkout (traces, notes). ``COMMIT:path`` (a file in git history, as
+the shared folder beside the checkout (traces, notes), and the installed packages a text cites by their
+source (kopf's, as ``_cogs/clients/events.py`` or ``kopf/_cogs/...``). ``COMMIT:path`` (a file in git history, as
 ``git show`` takes it) is not a file of the checkout and is not checked.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import kopf
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,8 +21,10 @@ TEXTS = sorted({
     *(ROOT / "sidecar" / "kvpool_sidecar").rglob("*.py"), *(ROOT / "sidecar" / "kvpool_sidecar").rglob("*.c"),
     *(ROOT / "operator" / "kvpool_operator").rglob("*.py"), *(ROOT / "tests").rglob("*.py"),
 })
+KOPF = Path(kopf.__file__).parent
 BASES = (ROOT, ROOT / "sidecar", ROOT / "sidecar" / "kvpool_sidecar", ROOT / "operator",
-         ROOT / "operator" / "kvpool_operator", ROOT / "tests", ROOT / "bench", ROOT / "docs", ROOT.parent)
+         ROOT / "operator" / "kvpool_operator", ROOT / "tests", ROOT / "bench", ROOT / "docs", ROOT.parent,
+         KOPF, KOPF.parent)
 
 
 def missing(path: Path) -> list[str]:

@@ -73,6 +73,11 @@ class SidecarMetrics:
             "kvpool_drift_events", "Reuse-rate drift beyond the configured threshold", ["workload_class"],
             registry=r,
         )
+        self._define_config(r)
+        self._define_engine_and_transfer(r)
+        self._start_at_zero()
+
+    def _define_config(self, r: CollectorRegistry) -> None:
         self.config_info = Gauge(
             "kvpool_config_info", "The config in force (value 1)", ["hash", "policy", "source"], registry=r,
         )
@@ -92,8 +97,6 @@ class SidecarMetrics:
             "or its ConfigMap is not written yet; the config in force stays (the defaults, for a sidecar that "
             "started without one)", registry=r,
         )
-        self._define_engine_and_transfer(r)
-        self._start_at_zero()
 
     def _define_engine_and_transfer(self, r: CollectorRegistry) -> None:
         self.engine_sessions = Gauge(
