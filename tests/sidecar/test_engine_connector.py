@@ -580,7 +580,7 @@ def test_a_save_for_a_pool_not_mapped_yet_is_written_once_the_remap_lands():
         current[0] = new  # the sidecar restarted: a new pool, a new epoch
         started = time.monotonic()
         worker.save(StepPlan(1, [], [SaveJob("r", new.epoch, [2, 3], [1, 4])]))
-        assert time.monotonic() - started < 1  # the forward path did not wait for the remap
+        assert time.monotonic() - started < 10  # did not wait for the remap (held up 30 s here), even on a busy machine
         assert worker.take_done() is None  # not failed: the lane waits for the new pool's handle
         answering.set()
         worker.copies.submit(lambda: None).result(10)
