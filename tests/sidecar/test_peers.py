@@ -478,6 +478,142 @@ def test_a_fetch_cancelled_mid_read_publishes_nothing_and_leaves_nothing(source)
     source.idle()
 
 
+class Engine:
+    """An engine's scheduler side (the connector's) on a sidecar of this process whose members are ``members``."""
+
+    def __init__(self, *members: tuple[str, int], tenant: str = "default", fetch_wait: float = 1.0) -> None:
+        from support import live_sidecar
+
+        self.path = socket_path()
+        self.storage = KVStorage(SHAPE, PS, pages=32, shared=True)
+        self.live = live_sidecar(SidecarConfig.model_validate(CONFIG), pages=32, storage=self.storage,
+                                 transfer_keys=CLUSTER_KEYS, engine_socket=self.path, peers=frozenset(members))
+        self.tenant, self.fetch_wait = tenant, fetch_wait
+
+    def __enter__(self) -> Engine:
+        from kvpool_sidecar.engines.link import SidecarLink
+        from kvpool_sidecar.engines.scheduler import SchedulerSide
+
+        _, self.sidecar = self.live.__enter__()
+        self.link = SidecarLink(self.path, wire.Hello(wire.PROTOCOL, "scheduler", "engine", MODEL))
+        self.side = SchedulerSide(self.link, PS, session="e", lookup_wait=0.005, fetch_wait=self.fetch_wait,
+                                  default_meta={"tenant": self.tenant})
+        return self
+
+    def lookup(self, req: str, blocks: list[bytes], hint: tuple[str, int] | None) -> tuple[int, float, float]:
+        """Tokens the pool serves the request, the longest one lookup call took, and the whole wait."""
+        params = None if hint is None else {"remote_kv_source": {"remote_host": hint[0], "remote_port": hint[1]}}
+        start, longest = time.monotonic(), 0.0
+        while True:
+            t = time.monotonic()
+            got = self.side.matched_tokens(req, blocks, len(blocks) * PS + 1, 0, params)
+            longest = max(longest, time.monotonic() - t)
+            if got is not None:
+                return got, longest, time.monotonic() - start
+            assert time.monotonic() - start < 5
+            time.sleep(0.002)  # the engine's next step
+
+    def load(self, req: str, tokens: int) -> list[int]:
+        """The request's load planned and finished: the pool pages it read."""
+        from kvpool_sidecar.engines.scheduler import StepDone
+
+        n = tokens // PS
+        self.side.allocated(req, list(range(n + 1)), tokens)
+        plan = self.side.plan([(req, list(range(n + 1)), True, tokens, 1)])
+        pages = [p for job in plan.loads for p in job.pages]
+        self.side.worker_done(StepDone({plan.step: 1}))
+        self.side.finished(req)
+        self.side.sent({req})
+        return pages
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.sidecar.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def fetches_ended(self) -> float:
+        """Fetches this sidecar started that have ended (whatever their result)."""
+        return sum(self.metric("kvpool_peer_fetches_total", result=r) for r in ("hit", "partial", "miss",
+                                                                                 "timeout", "refused", "error"))
+
+    def assert_clean(self) -> None:
+        deadline = time.monotonic() + 5
+        while self.sidecar.pool.stats().sequences:
+            assert time.monotonic() < deadline, "the engine's sidecar still holds a sequence"
+            time.sleep(0.01)
+        self.sidecar.pool.check_invariants()
+
+    def __exit__(self, *exc: object) -> None:
+        self.link.close()
+        self.live.__exit__(None, None, None)
+        self.storage.close()
+
+
+@needs_nixl
+def test_a_hinted_lookup_waits_for_the_fetch_across_steps_and_loads_the_peers_bytes(source):
+    blocks = hashes(6, "hinted")
+    kv = source.fill(blocks)
+    with Engine(source.address) as engine:
+        assert engine.lookup("plain", blocks, None)[0] == 0  # without the hint: nothing asked of the peer
+        engine.load("plain", 0)
+        assert engine.metric("kvpool_peer_fetches_total", result="partial") == 0
+        assert engine.metric("kvpool_peer_fetches_total", result="hit") == 0
+        tokens, longest, waited = engine.lookup("hinted", blocks, source.address)
+        assert tokens == 6 * PS  # on this very request: the whole prompt from the peer
+        assert longest < 0.1  # the fetch ran across steps: no step waited for it
+        pages = engine.load("hinted", tokens)
+        assert torch.equal(engine.storage.kv[pages], kv)
+        assert engine.metric("kvpool_peer_fetches_total", result="hit") == 1
+        engine.assert_clean()
+        source.idle()
+
+
+@needs_nixl
+def test_a_hint_of_a_non_member_a_dead_member_or_another_tenant_costs_the_engine_nothing_and_leaves_nothing(
+        source):
+    blocks = hashes(4, "tenant-x")
+    source.fill(blocks, tenant="x")
+    dead = ("127.0.0.1", free_port())  # a member whose sidecar is gone
+    with Engine(source.address, dead, tenant="y") as engine:
+        tokens, _, waited = engine.lookup("stranger", blocks, ("127.0.0.1", 1))
+        assert (tokens, engine.metric("kvpool_peer_fetches_total", result="not_member")) == (0, 1)
+        assert waited < 0.05  # answered at once: nothing was sent anywhere
+        engine.load("stranger", 0)
+        assert engine.lookup("dead", blocks, dead)[0] == 0
+        assert engine.metric("kvpool_peer_fetches_total", result="error") == 1
+        engine.load("dead", 0)
+        # Tenant y's request names the peer holding tenant x's pages: it fetches only its own tenant's keys.
+        assert engine.lookup("other-tenant", blocks, source.address)[0] == 0
+        assert engine.metric("kvpool_peer_fetches_total", result="miss") == 1
+        engine.load("other-tenant", 0)
+        assert engine.sidecar.pool.stats().cached_pages == 0
+        engine.assert_clean()
+    source.idle()
+
+
+@needs_nixl
+def test_a_stopped_peer_costs_a_hinted_request_its_wait_only_and_the_fetch_lands_for_the_next(source):
+    blocks = hashes(3, "late")
+    kv = source.fill(blocks)
+    with Engine(source.address, fetch_wait=0.2) as engine:
+        assert engine.lookup("warm", hashes(1, "none"), source.address)[0] == 0  # connected (a miss)
+        engine.load("warm", 0)
+        os.kill(source.proc.pid, signal.SIGSTOP)
+        try:
+            tokens, longest, waited = engine.lookup("stalled", blocks, source.address)
+            assert tokens == 0 and 0.2 <= waited < 0.4 and longest < 0.1  # computed after its wait
+            assert engine.metric("kvpool_peer_fetch_late_total") == 1
+            engine.load("stalled", 0)
+        finally:
+            os.kill(source.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while engine.fetches_ended() < 2:  # the fetch goes on, and lands
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.lookup("next", blocks, None)[0] == 3 * PS  # the next request: no hint needed
+        assert torch.equal(engine.storage.kv[engine.load("next", 3 * PS)], kv)
+        engine.assert_clean()
+    source.idle()
+
+
 @needs_nixl  # last: the module's source process dies here (a later test would start another)
 def test_a_source_killed_mid_fetch_costs_a_miss_and_publishes_nothing(source):
     blocks = hashes(5, "killed")
