@@ -39,6 +39,10 @@ class ChannelSettings(BaseModel):
     trust_request_params: bool = Field(
         default=False, description="take tenant, class, turn and user from a request's kv_transfer_params "
         "(a client's OpenAI body): only where a gateway strips and sets them")
+    peer_fetch_wait_ms: Annotated[float, Field(ge=0, le=10_000)] = Field(
+        default=250.0, description="how long a request with a remote_kv_source hint waits for its sidecar to "
+        "fetch the prompt's missing pages from that peer, from its first lookup (only that request waits: the "
+        "engine schedules the others meanwhile); then it computes them, and the fetch lands for the next one")
 
     @model_validator(mode="after")
     def _one_token(self) -> ChannelSettings:
@@ -68,10 +72,6 @@ class ConnectorSettings(ChannelSettings):
         "save_skipped, never queued) while the oldest queued save has waited longer than this, so the lane "
         "never falls further behind the engine and a finished request's blocks wait for it about this long "
         "at most")
-    peer_fetch_wait_ms: Annotated[float, Field(ge=0, le=10_000)] = Field(
-        default=250.0, description="how long a request with a remote_kv_source hint waits for its sidecar to "
-        "fetch the prompt's missing pages from that peer, from its first lookup (only that request waits: the "
-        "engine schedules the others meanwhile); then it computes them, and the fetch lands for the next one")
     kv_events: bool = Field(
         default=False, description="publish kvpool's tier as the engine's KV events (BlockStored and "
         "BlockRemoved with medium CPU), merged into vLLM's own stream (its --kv-events-config)")
