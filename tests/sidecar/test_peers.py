@@ -184,6 +184,21 @@ def test_pages_batch_into_one_descriptor_per_run_contiguous_on_both_sides():
         page_runs([1, 2], [1], 100, 0, 0)
 
 
+def test_a_hint_is_vllms_remote_kv_source_and_a_malformed_one_is_no_hint():
+    from kvpool_sidecar.engines.hints import peer_source
+
+    def hint(**kw):
+        return {"remote_kv_source": kw}
+
+    assert peer_source(hint(remote_host="10.0.0.7", remote_port=8300, kv_request_id="x")) == wire.Source(
+        "10.0.0.7", 8300)
+    assert peer_source(hint(remote_host="[::1]", remote_port="8300")) == wire.Source("::1", 8300)
+    for bad in (None, {}, {"remote_kv_source": "h:1"}, hint(remote_host="h"), hint(remote_host="h", remote_port=0),
+                hint(remote_host="", remote_port=1), hint(remote_host="h", remote_port=True),
+                hint(remote_host="h" * 254, remote_port=1), hint(remote_host="h", remote_port=70000)):
+        assert peer_source(bad) is None, bad
+
+
 def test_peers_flag_is_host_port_items_and_a_bad_one_is_named():
     assert parse_peers("a:1, [::1]:8100,") == {("a", 1), ("::1", 8100)}
     with pytest.raises(ValueError, match="'b:x' is not HOST:PORT"):

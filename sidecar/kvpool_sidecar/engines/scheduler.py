@@ -234,7 +234,7 @@ class SchedulerSide:
                 self.link.record(lambda r: r.fail("lookup"))
                 return 0
             req.future = None
-            if result.fetching:  # the sidecar fetches from the hinted peer: ask again (next step)
+            if result.fetching and req.op is not None:  # the sidecar fetches from the hinted peer: ask again
                 self._ask_again(req)
                 return None
             req.generation = gen
@@ -282,7 +282,7 @@ class SchedulerSide:
         ended), or, once the request has waited ``fetch_wait``, without its hint (what the pool holds now,
         with a lookup's own budget from here)."""
         op = req.op
-        assert op is not None
+        assert op is not None  # only an admission with a source is answered "fetching"
         now = self.clock()
         if now >= req.asked_at + req.wait:
             op = req.op = wire.Admit(op.seq_id, op.hashes, op.num_tokens, op.meta)

@@ -206,8 +206,8 @@ class TierSide:
             for key in hold.keys:
                 req.answers[key] = None
             return True
-        if result.fetching:  # the sidecar fetches from the hinted peer: asked again, without the hint once late
-            assert hold.op is not None
+        if result.fetching and hold.op is not None:  # the sidecar fetches from the peer: asked again (without
+            # the hint once it waited fetch_wait)
             if self.clock() - hold.sent_at >= hold.wait:
                 hold.op = wire.Admit(hold.op.seq_id, hold.op.hashes, hold.op.num_tokens,
                                      hold.op.meta, hold_only=True)
