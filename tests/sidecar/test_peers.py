@@ -496,13 +496,14 @@ def test_a_fetch_cancelled_mid_read_publishes_nothing_and_leaves_nothing(source)
 class Engine:
     """An engine's scheduler side (the connector's) on a sidecar of this process whose members are ``members``."""
 
-    def __init__(self, *members: tuple[str, int], tenant: str = "default", fetch_wait: float = 1.0) -> None:
+    def __init__(self, *members: tuple[str, int], tenant: str = "default", fetch_wait: float = 1.0,
+                 keys: TransferKeys = CLUSTER_KEYS) -> None:
         from support import live_sidecar
 
         self.path = socket_path()
         self.storage = KVStorage(SHAPE, PS, pages=32, shared=True)
         self.live = live_sidecar(SidecarConfig.model_validate(CONFIG), pages=32, storage=self.storage,
-                                 transfer_keys=CLUSTER_KEYS, engine_socket=self.path, peers=frozenset(members))
+                                 transfer_keys=keys, engine_socket=self.path, peers=frozenset(members))
         self.tenant, self.fetch_wait = tenant, fetch_wait
 
     def __enter__(self) -> Engine:
@@ -599,6 +600,19 @@ def test_a_hint_of_a_non_member_a_dead_member_or_another_tenant_costs_the_engine
         assert engine.lookup("other-tenant", blocks, source.address)[0] == 0
         assert engine.metric("kvpool_peer_fetches_total", result="miss") == 1
         engine.load("other-tenant", 0)
+        assert engine.sidecar.pool.stats().cached_pages == 0
+        engine.assert_clean()
+    source.idle()
+
+
+@needs_nixl
+def test_a_hinted_lookup_on_a_sidecar_without_the_cluster_key_is_refused_by_the_peer_and_computes(source):
+    blocks = hashes(2, "keyless")
+    source.fill(blocks)
+    with Engine(source.address, keys=TransferKeys.parse("k1 " + "w" * 40)) as engine:
+        assert engine.lookup("keyless", blocks, source.address)[0] == 0
+        assert engine.metric("kvpool_peer_fetches_total", result="refused") == 1
+        engine.load("keyless", 0)
         assert engine.sidecar.pool.stats().cached_pages == 0
         engine.assert_clean()
     source.idle()
