@@ -19,6 +19,7 @@ import httpx
 import pytest
 import uvicorn
 from kvpool_sidecar.config import SidecarConfig, load_config
+from kvpool_sidecar.peers.node import Peers
 from kvpool_sidecar.service.app import create_app
 from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import KVStorage
@@ -40,8 +41,9 @@ def live_sidecar(
     config: SidecarConfig | None = None, *, pages: int = 256, config_path: Path | None = None,
     token: Any = None, poll_interval: float = 0.1, pre_evict_interval: float = 0.0,
     storage: KVStorage | None = None, transfer_keys: TransferKeys | None = None, engine_socket: str | None = None,
-    engine_quarantine: float = 0.0, **limits: int,
+    engine_quarantine: float = 0.0, peers: frozenset[tuple[str, int]] | None = None, **limits: int,
 ) -> Iterator[tuple[str, Sidecar]]:
+    """``peers``: the members this sidecar fetches from (``--peers``; it needs ``storage`` and ``transfer_keys``)."""
     if config is None:
         config = load_config(config_path) if config_path else SidecarConfig.model_validate(
             {"pageSize": 4, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}}}
@@ -50,7 +52,8 @@ def live_sidecar(
                       **limits)
     sidecar.mark_config_file_read()
     app = create_app(sidecar, token=token, poll_interval=poll_interval, pre_evict_interval=pre_evict_interval,
-                     engine_socket=engine_socket, engine_quarantine=engine_quarantine)
+                     engine_socket=engine_socket, engine_quarantine=engine_quarantine,
+                     peers=None if peers is None else Peers(sidecar, transfer_keys, members=peers))
     with live_app(app) as url:
         yield url, sidecar
 

@@ -21,7 +21,8 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL = 2  # 2: the segment layout with the writers' slot locks (storage.tensors.LAYOUT); any change to a
+PROTOCOL = 3  # 3: an admission's peer source (Admit.source, Admitted.fetching); 2: the segment layout with the
+# writers' slot locks (storage.tensors.LAYOUT); any change to a
 # message or to the segment's layout changes it, and a hello of another version is refused naming both
 MAX_FRAME = 64 << 20  # bytes of one frame after the hello (the connector keeps its steps under STEP_BYTES)
 MAX_HELLO = 16 << 10  # bytes of the first frame, read before anyone is authenticated (a model id is 4 KiB)
@@ -87,6 +88,14 @@ class Refused(msgspec.Struct, tag="refused", array_like=True):
     field: str = ""
 
 
+class Source(msgspec.Struct, array_like=True, frozen=True):
+    """A peer sidecar that may hold the prompt's pages (the request's ``remote_kv_source`` hint): its host
+    and peer port (``--peer-port``)."""
+
+    host: str
+    port: int
+
+
 class Admit(msgspec.Struct, array_like=True):
     seq_id: str
     hashes: list[bytes]
@@ -95,6 +104,8 @@ class Admit(msgspec.Struct, array_like=True):
     # Hold the cached prefix only, allocating nothing (a lookup: vLLM's tiering asks before it stores);
     # no sequence is made when nothing is cached (the answer's page_ids are empty).
     hold_only: bool = False
+    # Where the missing leading pages may be fetched from: a member of the sidecar's peers, or ignored.
+    source: Source | None = None
 
 
 class Commit(msgspec.Struct, array_like=True):
@@ -124,6 +135,9 @@ class Admitted(msgspec.Struct, tag="admitted", array_like=True):
     # The session's fence word (slot, value) in the pool's header: every copy of this admission names it,
     # and a worker copies nothing once the sidecar has cleared it (the session ended).
     fence: tuple[int, int] | None = None
+    # A fetch of the admission's missing pages from its source is under way: nothing was admitted (no
+    # sequence, page_ids empty); the same admission asked again is answered once the fetch has ended.
+    fetching: bool = False
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -182,7 +196,8 @@ def _decode(decoder: msgspec.msgpack.Decoder, body: bytes) -> Any:
 
 def admit_bytes(op: Admit) -> int:
     """An upper estimate of an admission's encoded size (the connector's step budget)."""
-    return 64 + len(op.seq_id) + sum(len(h) + 2 for h in op.hashes)
+    return 64 + len(op.seq_id) + sum(len(h) + 2 for h in op.hashes) + (0 if op.source is None else
+                                                                       len(op.source.host) + 8)
 
 
 def check_hello(msg: Hello) -> None:

@@ -17,7 +17,7 @@ import httpx
 import yaml
 from kvpool_sidecar.service.server import instance_name
 from kvpool_sidecar.storage.segment import release_instance
-from support import free_port, socket_path
+from support import CLUSTER_KEYS, free_port, socket_path
 from tiny_model import KV_SHAPE, VOCAB
 
 BLOCK = 32  # vLLM's CPU attention wants a multiple of 32
@@ -29,8 +29,12 @@ class SidecarProcess:
     """``kvpool-sidecar serve`` on 127.0.0.1 with an embedded shared CPU pool; restartable on its port."""
 
     def __init__(self, folder: Path, pages: int = 256, config: dict[str, Any] | None = None,
-                 kv_shape: str = KV_SHAPE) -> None:
+                 kv_shape: str = KV_SHAPE, peers: tuple[str, ...] | None = None) -> None:
+        """``peers``: serve the pool to peers on a port of its own (:attr:`peer_port`) and fetch from these
+        members (``--peers``), proving the tests' cluster key; None: no peer side."""
         self.folder = folder
+        self.peers = peers
+        self.peer_port = free_port() if peers is not None else None
         self.kv_shape = kv_shape
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -45,14 +49,30 @@ class SidecarProcess:
         tmp.write_text(yaml.safe_dump(config))
         os.replace(tmp, self.config_path)  # atomic, as kubelet's projection is
 
+    def peer_args(self) -> list[str]:
+        if self.peers is None:
+            return []
+        keyfile = self.folder / "cluster-key"
+        keyfile.write_text("".join(f"{kid} {secret.decode()}\n" for kid, secret in CLUSTER_KEYS.keys))
+        members = ["--peers", ",".join(self.peers)] if self.peers else []
+        return ["--peer-port", str(self.peer_port), "--peer-host", "127.0.0.1", "--transfer-key-file", str(keyfile),
+                *members]
+
     def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Start the process without waiting for it to serve (:meth:`wait_ready`): two start side by side."""
         self.proc = subprocess.Popen(
             [SIDECAR_BIN, "serve", "--port", str(self.port), "--pages", str(self.pages), "--kv-shape", self.kv_shape,
              "--config", str(self.config_path), "--log-level", "warning", "--engine-socket", self.socket,
              # A lapsed session's pages come back after 2 s here (30 s by default), within the tests' waits.
-             "--engine-quarantine-seconds", "2"],
+             "--engine-quarantine-seconds", "2", *self.peer_args()],
             start_new_session=True,
         )
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:

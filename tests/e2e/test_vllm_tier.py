@@ -594,3 +594,49 @@ def test_a_promotion_never_waits_behind_a_cascade(sidecar):
         gate.set()
         one.shutdown()
         two.shutdown()
+
+
+def test_a_hinted_lookup_finds_chunks_only_the_peer_sidecar_held_with_its_bytes(tmp_path):
+    """Issue 66 on the tier path: engine 1's tier stores chunks on sidecar A; engine 2's tier, on sidecar B
+    whose member is A, finds none without a hint, and all of them, with A's bytes, when its request names A
+    (vLLM's remote_kv_source): B's hold-only admission fetched them from A."""
+    from kvpool_sidecar.peers import agent
+
+    if not agent.available():
+        pytest.skip("NIXL is not installed: the peers extra")
+    config = {"pageSize": shipped_tier()[0]["block_size"], "eviction": {"policy": "lru"},
+              "pinning": {"autoPin": {"enabled": False}}}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = SidecarProcess(tmp_path / "a", pages=64, kv_shape=KV_SHAPE, config=config, peers=())
+    b = SidecarProcess(tmp_path / "b", pages=64, kv_shape=KV_SHAPE, config=config, peers=(f"127.0.0.1:{a.peer_port}",))
+    a.launch()
+    b.launch()
+    a.wait_ready()
+    b.wait_ready()
+    one, two = manager("e1", a), manager("e2", b, peer_fetch_wait_ms=2000)
+    try:
+        ks = keys("peer", 3)
+        store(one, "r1", ks, fill=5)
+        steps_until(one, lambda: a.get("/v1/stats")["cached_pages"] == 3 and not one.has_pending_work(),
+                    "the chunks were never committed on A")
+        plain = ReqContext("plain")
+        two.on_new_request(plain)
+        assert lookups(two, plain, ks)[0] is LookupResult.MISS  # no hint: A is not asked
+        two.on_request_finished(plain)
+        hinted = ReqContext("hinted", kv_transfer_params={
+            "remote_kv_source": {"remote_host": "127.0.0.1", "remote_port": a.peer_port}})
+        two.on_new_request(hinted)
+        assert lookups(two, hinted, ks) == [LookupResult.HIT] * 3
+        assert loaded_bytes(two, hinted, ks) == [5, 6, 7]
+        two.on_request_finished(hinted)
+        assert b.metric("kvpool_peer_fetch_pages_total") == 3
+        steps_until(two, lambda: b.get("/v1/stats")["sequences"] == 0, "B's hold was never released")
+        steps_until(one, lambda: a.get("/v1/stats")["sequences"] == 0, "A still holds pages for B")
+    finally:
+        one.shutdown()
+        two.shutdown()
+        a.stop()
+        b.stop()
+        while REGIONS:
+            REGIONS.pop().unlink(missing_ok=True)

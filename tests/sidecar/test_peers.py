@@ -184,6 +184,21 @@ def test_pages_batch_into_one_descriptor_per_run_contiguous_on_both_sides():
         page_runs([1, 2], [1], 100, 0, 0)
 
 
+def test_a_hint_is_vllms_remote_kv_source_and_a_malformed_one_is_no_hint():
+    from kvpool_sidecar.engines.hints import peer_source
+
+    def hint(**kw):
+        return {"remote_kv_source": kw}
+
+    assert peer_source(hint(remote_host="10.0.0.7", remote_port=8300, kv_request_id="x")) == wire.Source(
+        "10.0.0.7", 8300)
+    assert peer_source(hint(remote_host="[::1]", remote_port="8300")) == wire.Source("::1", 8300)
+    for bad in (None, {}, {"remote_kv_source": "h:1"}, hint(remote_host="h"), hint(remote_host="h", remote_port=0),
+                hint(remote_host="", remote_port=1), hint(remote_host="h", remote_port=True),
+                hint(remote_host="h" * 254, remote_port=1), hint(remote_host="h", remote_port=70000)):
+        assert peer_source(bad) is None, bad
+
+
 def test_peers_flag_is_host_port_items_and_a_bad_one_is_named():
     assert parse_peers("a:1, [::1]:8100,") == {("a", 1), ("::1", 8100)}
     with pytest.raises(ValueError, match="'b:x' is not HOST:PORT"):
@@ -475,6 +490,156 @@ def test_a_fetch_cancelled_mid_read_publishes_nothing_and_leaves_nothing(source)
         else:  # the read was over before the cancel: published with the source's bytes
             assert task.result().result == "hit" and torch.equal(reader.cached_kv(blocks), kv)
         reader.assert_clean()
+    source.idle()
+
+
+class Engine:
+    """An engine's scheduler side (the connector's) on a sidecar of this process whose members are ``members``."""
+
+    def __init__(self, *members: tuple[str, int], tenant: str = "default", fetch_wait: float = 1.0,
+                 keys: TransferKeys = CLUSTER_KEYS) -> None:
+        from support import live_sidecar
+
+        self.path = socket_path()
+        self.storage = KVStorage(SHAPE, PS, pages=32, shared=True)
+        self.live = live_sidecar(SidecarConfig.model_validate(CONFIG), pages=32, storage=self.storage,
+                                 transfer_keys=keys, engine_socket=self.path, peers=frozenset(members))
+        self.tenant, self.fetch_wait = tenant, fetch_wait
+
+    def __enter__(self) -> Engine:
+        from kvpool_sidecar.engines.link import SidecarLink
+        from kvpool_sidecar.engines.scheduler import SchedulerSide
+
+        _, self.sidecar = self.live.__enter__()
+        self.link = SidecarLink(self.path, wire.Hello(wire.PROTOCOL, "scheduler", "engine", MODEL))
+        self.side = SchedulerSide(self.link, PS, session="e", lookup_wait=0.005, fetch_wait=self.fetch_wait,
+                                  default_meta={"tenant": self.tenant})
+        return self
+
+    def lookup(self, req: str, blocks: list[bytes], hint: tuple[str, int] | None) -> tuple[int, float, float]:
+        """Tokens the pool serves the request, the longest one lookup call took, and the whole wait."""
+        params = None if hint is None else {"remote_kv_source": {"remote_host": hint[0], "remote_port": hint[1]}}
+        start, longest = time.monotonic(), 0.0
+        while True:
+            t = time.monotonic()
+            got = self.side.matched_tokens(req, blocks, len(blocks) * PS + 1, 0, params)
+            longest = max(longest, time.monotonic() - t)
+            if got is not None:
+                return got, longest, time.monotonic() - start
+            assert time.monotonic() - start < 5
+            time.sleep(0.002)  # the engine's next step
+
+    def load(self, req: str, tokens: int) -> list[int]:
+        """The request's load planned and finished: the pool pages it read."""
+        from kvpool_sidecar.engines.scheduler import StepDone
+
+        n = tokens // PS
+        self.side.allocated(req, list(range(n + 1)), tokens)
+        plan = self.side.plan([(req, list(range(n + 1)), True, tokens, 1)])
+        pages = [p for job in plan.loads for p in job.pages]
+        self.side.worker_done(StepDone({plan.step: 1}))
+        self.side.finished(req)
+        self.side.sent({req})
+        return pages
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.sidecar.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def fetches_ended(self) -> float:
+        """Fetches this sidecar started that have ended (whatever their result)."""
+        return sum(self.metric("kvpool_peer_fetches_total", result=r) for r in ("hit", "partial", "miss",
+                                                                                 "timeout", "refused", "error"))
+
+    def assert_clean(self) -> None:
+        deadline = time.monotonic() + 5
+        while self.sidecar.pool.stats().sequences:
+            assert time.monotonic() < deadline, "the engine's sidecar still holds a sequence"
+            time.sleep(0.01)
+        self.sidecar.pool.check_invariants()
+
+    def __exit__(self, *exc: object) -> None:
+        self.link.close()
+        self.live.__exit__(None, None, None)
+        self.storage.close()
+
+
+@needs_nixl
+def test_a_hinted_lookup_waits_for_the_fetch_across_steps_and_loads_the_peers_bytes(source):
+    blocks = hashes(6, "hinted")
+    kv = source.fill(blocks)
+    with Engine(source.address) as engine:
+        assert engine.lookup("plain", blocks, None)[0] == 0  # without the hint: nothing asked of the peer
+        engine.load("plain", 0)
+        assert engine.metric("kvpool_peer_fetches_total", result="partial") == 0
+        assert engine.metric("kvpool_peer_fetches_total", result="hit") == 0
+        tokens, longest, waited = engine.lookup("hinted", blocks, source.address)
+        assert tokens == 6 * PS  # on this very request: the whole prompt from the peer
+        assert longest < 0.1  # the fetch ran across steps: no step waited for it
+        pages = engine.load("hinted", tokens)
+        assert torch.equal(engine.storage.kv[pages], kv)
+        assert engine.metric("kvpool_peer_fetches_total", result="hit") == 1
+        engine.assert_clean()
+        source.idle()
+
+
+@needs_nixl
+def test_a_hint_of_a_non_member_a_dead_member_or_another_tenant_costs_the_engine_nothing_and_leaves_nothing(
+        source):
+    blocks = hashes(4, "tenant-x")
+    source.fill(blocks, tenant="x")
+    dead = ("127.0.0.1", free_port())  # a member whose sidecar is gone
+    with Engine(source.address, dead, tenant="y") as engine:
+        tokens, _, waited = engine.lookup("stranger", blocks, ("127.0.0.1", 1))
+        assert (tokens, engine.metric("kvpool_peer_fetches_total", result="not_member")) == (0, 1)
+        assert waited < 0.05  # answered at once: nothing was sent anywhere
+        engine.load("stranger", 0)
+        assert engine.lookup("dead", blocks, dead)[0] == 0
+        assert engine.metric("kvpool_peer_fetches_total", result="error") == 1
+        engine.load("dead", 0)
+        # Tenant y's request names the peer holding tenant x's pages: it fetches only its own tenant's keys.
+        assert engine.lookup("other-tenant", blocks, source.address)[0] == 0
+        assert engine.metric("kvpool_peer_fetches_total", result="miss") == 1
+        engine.load("other-tenant", 0)
+        assert engine.sidecar.pool.stats().cached_pages == 0
+        engine.assert_clean()
+    source.idle()
+
+
+@needs_nixl
+def test_a_hinted_lookup_on_a_sidecar_without_the_cluster_key_is_refused_by_the_peer_and_computes(source):
+    blocks = hashes(2, "keyless")
+    source.fill(blocks)
+    with Engine(source.address, keys=TransferKeys.parse("k1 " + "w" * 40)) as engine:
+        assert engine.lookup("keyless", blocks, source.address)[0] == 0
+        assert engine.metric("kvpool_peer_fetches_total", result="refused") == 1
+        engine.load("keyless", 0)
+        assert engine.sidecar.pool.stats().cached_pages == 0
+        engine.assert_clean()
+    source.idle()
+
+
+@needs_nixl
+def test_a_stopped_peer_costs_a_hinted_request_its_wait_only_and_the_fetch_lands_for_the_next(source):
+    blocks = hashes(3, "late")
+    kv = source.fill(blocks)
+    with Engine(source.address, fetch_wait=0.2) as engine:
+        assert engine.lookup("warm", hashes(1, "none"), source.address)[0] == 0  # connected (a miss)
+        engine.load("warm", 0)
+        os.kill(source.proc.pid, signal.SIGSTOP)
+        try:
+            tokens, longest, waited = engine.lookup("stalled", blocks, source.address)
+            assert tokens == 0 and 0.2 <= waited < 0.4 and longest < 0.1  # computed after its wait
+            assert engine.metric("kvpool_peer_fetch_late_total") == 1
+            engine.load("stalled", 0)
+        finally:
+            os.kill(source.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while engine.fetches_ended() < 2:  # the fetch goes on, and lands
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.lookup("next", blocks, None)[0] == 3 * PS  # the next request: no hint needed
+        assert torch.equal(engine.storage.kv[engine.load("next", 3 * PS)], kv)
+        engine.assert_clean()
     source.idle()
 
 

@@ -28,6 +28,13 @@ answer costs the engine a millisecond a step, never a timeout. A step waits less
 waiting stalls every request the step runs, while a lookup not yet answered costs only its own request
 a step (it is asked again in the next one), so a step waits at most its recent duration divided by the
 requests it runs (:meth:`SchedulerSide.step_budget`).
+
+A request with a peer hint (:mod:`.hints`) may wait longer, ``fetch_wait`` from its first ask
+(:data:`PEER_FETCH_WAIT`), while its sidecar fetches the prompt's missing leading pages from the hinted peer:
+the sidecar answers "fetching" and the lookup answers "not yet" (None) step after step, so the engine keeps
+scheduling its other requests, and no step waits for it longer than its step budget. Past ``fetch_wait`` it
+is admitted without the hint (what the pool holds by then) and computes the rest; the fetch still lands
+for the next request.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool_sidecar import wire
+from kvpool_sidecar.engines.hints import peer_source
 from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLink
 
 log = logging.getLogger("kvpool.engine")
@@ -51,6 +59,11 @@ META_FIELDS = ("tenant", "workload_class", "request_type", "turn", "user")
 MAX_PENDING_STEPS = 1024
 STEP_TIME_CAP = 1.0  # seconds: a gap between plans longer than this is an idle engine, not a step
 LATE_WARNING_EVERY = 60.0  # seconds: lookups past their budget are logged at most this often, with their count
+# Seconds a request with a peer hint waits for its sidecar's fetch (the connector's peer_fetch_wait_ms). Only
+# that request waits (the engine schedules the others meanwhile), and recomputing the prefix costs it about
+# as much: a 7B model prefills ~2k tokens in ~250 ms on one GPU, and at the fetch rates measured between two
+# sidecars (docs/benchmarks.md) 250 ms moves hundreds of MB, that many tokens' KV several times over.
+PEER_FETCH_WAIT = 0.25
 
 
 @dataclass(frozen=True)
@@ -132,6 +145,8 @@ class _Request:
     source: Any = None
     hashes: list[bytes] = field(default_factory=list)
     published: int = 0
+    op: wire.Admit | None = None  # its admission, asked again while the sidecar fetches (it has a peer hint)
+    wait: float = 0.0  # how long it may wait for its answer from its first ask
 
     @property
     def active(self) -> bool:
@@ -150,11 +165,13 @@ class _Request:
 class SchedulerSide:
     def __init__(self, link: SidecarLink, block_size: int, *, session: str, lookup_wait: float = 0.002,
                  world_size: int = 1, default_meta: dict[str, Any] | None = None,
-                 trust_request_params: bool = False, clock: Any = time.monotonic) -> None:
+                 trust_request_params: bool = False, clock: Any = time.monotonic,
+                 fetch_wait: float = PEER_FETCH_WAIT) -> None:
         self.link = link
         self.events = link.events
         self.block_size = block_size
         self.lookup_wait = lookup_wait
+        self.fetch_wait = fetch_wait
         self.world_size = world_size
         self.default_meta = dict(default_meta or {})
         self.trust_request_params = trust_request_params
@@ -198,12 +215,12 @@ class SchedulerSide:
             now = self.clock()
             if self._wait_until is None:
                 self._wait_until = now + self.step_budget()
-            deadline = min(self._wait_until, req.asked_at + self.lookup_wait)
+            deadline = min(self._wait_until, req.asked_at + req.wait)
             try:
                 # Waiting (not polling) also lets the link's thread take the GIL from a busy engine loop.
                 gen, result = req.future.result(timeout=max(0.0, deadline - now))
             except FutureTimeout:
-                if now < req.asked_at + self.lookup_wait:
+                if now < req.asked_at + req.wait:
                     return None
                 # Its own budget is spent: served without the pool (released once the answer comes).
                 self._give_up(req)
@@ -217,6 +234,9 @@ class SchedulerSide:
                 self.link.record(lambda r: r.fail("lookup"))
                 return 0
             req.future = None
+            if result.fetching and req.op is not None:  # the sidecar fetches from the hinted peer: ask again
+                self._ask_again(req)
+                return None
             req.generation = gen
             req.page_ids = result.page_ids
             req.num_pages = min(req.num_pages, len(result.page_ids))  # a pool under pressure admits fewer
@@ -244,14 +264,30 @@ class SchedulerSide:
         # A prompt longer than one admission may name: its first blocks go through the tier, the rest
         # are computed (the sidecar would refuse the whole admission).
         block_hashes = block_hashes[: wire.MAX_BLOCKS]
-        req = _Request(f"{self._prefix}-{self._next_id}", prompt_len, len(block_hashes), asked_at=self.clock())
+        req = _Request(f"{self._prefix}-{self._next_id}", prompt_len, len(block_hashes), asked_at=self.clock(),
+                       wait=self.lookup_wait)
         self._requests[req_id] = req
         if block_hashes and self.link.available():
             meta = self.meta_of(params, adapter)
+            source = peer_source(params)  # whether or not params are trusted: it only names a member to read
             op = wire.Admit(req.seq_id, block_hashes, len(block_hashes) * self.block_size,
-                            wire.Meta(**meta) if meta else None)
+                            wire.Meta(**meta) if meta else None, source=source)
+            if source is not None:
+                req.op, req.wait = op, max(self.lookup_wait, self.fetch_wait)
             req.future = self.link.admit(op)
         return req
+
+    def _ask_again(self, req: _Request) -> None:
+        """The sidecar is fetching the request's pages: the same admission again (answered once the fetch
+        ended), or, once the request has waited ``fetch_wait``, without its hint (what the pool holds now,
+        with a lookup's own budget from here)."""
+        op = req.op
+        assert op is not None  # only an admission with a source is answered "fetching"
+        now = self.clock()
+        if now >= req.asked_at + req.wait:
+            op = req.op = wire.Admit(op.seq_id, op.hashes, op.num_tokens, op.meta)
+            req.asked_at, req.wait = now, self.lookup_wait
+        req.future = self.link.admit(op)
 
     def meta_of(self, params: dict[str, Any] | None, adapter: str = "") -> dict[str, Any]:
         """A request's workload metadata: the configured defaults, and what its ``kv_transfer_params`` say

@@ -39,6 +39,10 @@ class ChannelSettings(BaseModel):
     trust_request_params: bool = Field(
         default=False, description="take tenant, class, turn and user from a request's kv_transfer_params "
         "(a client's OpenAI body): only where a gateway strips and sets them")
+    peer_fetch_wait_ms: Annotated[float, Field(ge=0, le=10_000)] = Field(
+        default=250.0, description="how long a request with a remote_kv_source hint waits for its sidecar to "
+        "fetch the prompt's missing pages from that peer, from its first lookup (only that request waits: the "
+        "engine schedules the others meanwhile); then it computes them, and the fetch lands for the next one")
 
     @model_validator(mode="after")
     def _one_token(self) -> ChannelSettings:

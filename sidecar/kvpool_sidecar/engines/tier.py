@@ -114,7 +114,8 @@ class KVPoolTier(SecondaryTierManager):
         self.side = TierSide(link, welcome, primary, self.page_bytes,
                              self.page_size, session=session, lookup_wait=settings.lookup_wait_ms / 1000,
                              default_meta=settings.defaults.model_dump(),
-                             trust_request_params=settings.trust_request_params)
+                             trust_request_params=settings.trust_request_params,
+                             fetch_wait=settings.peer_fetch_wait_ms / 1000)
         self._jobs: dict[int, list[OffloadKey]] = {}
 
     def _check_pool(self, welcome: Any) -> None:

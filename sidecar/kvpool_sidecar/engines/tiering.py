@@ -21,6 +21,9 @@ its fence stops its copies the moment it ends, its lapsed pages are quarantined)
   answer is in; an answer not in ``lookup_wait`` after it was sent is a MISS (the request is served
   without the tier, and the hold is released when the answer comes). The scheduler never waits on the
   sidecar: vLLM scans a request's keys past a RETRY, so a step's lookups cost one round trip in all.
+  A request with a peer hint (:mod:`.hints`) names its source in its holds: while the sidecar fetches the
+  missing pages from that peer it answers "fetching", the hold is asked again (RETRY meanwhile) for at
+  most ``fetch_wait`` from when it was first sent, then once more without the hint.
   A hold goes once vLLM has scheduled its request (its lookups are over then) and no load reads it,
   or, for one a load reads, once that load is reported: a key held but never loaded pins nothing for
   the request's whole life.
@@ -53,9 +56,10 @@ from typing import Any
 import torch
 
 from kvpool_sidecar import wire
+from kvpool_sidecar.engines.hints import peer_source
 from kvpool_sidecar.engines.hostcopy import Lane, rows
 from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLink
-from kvpool_sidecar.engines.scheduler import META_FIELDS
+from kvpool_sidecar.engines.scheduler import META_FIELDS, PEER_FETCH_WAIT
 from kvpool_sidecar.storage import StaleHandle
 from kvpool_sidecar.storage.reference import copy_row_runs
 from kvpool_sidecar.storage.tensors import SLICE_BYTES
@@ -80,6 +84,8 @@ class _Hold:
     pages: dict[bytes, int] = field(default_factory=dict)  # held key -> its page
     loading: int = 0  # load jobs reading its pages, not yet reported
     live: bool = True  # not released
+    op: wire.Admit | None = None  # its admission (asked again while the sidecar fetches from a peer)
+    wait: float = 0.0  # how long it may wait for its answer from sent_at
 
 
 @dataclass(eq=False)
@@ -88,6 +94,7 @@ class _Request:
     answers: dict[bytes, _Hold | None] = field(default_factory=dict)  # asked key -> its hold (None: a miss)
     batch: dict[bytes, None] = field(default_factory=dict)  # keys asked this step, in order, sent at its end
     holds: list[_Hold] = field(default_factory=list)  # not released
+    source: wire.Source | None = None  # its peer hint
 
 
 @dataclass
@@ -102,8 +109,9 @@ class TierSide:
     def __init__(self, link: SidecarLink, welcome: Callable[[], wire.Welcome], primary: torch.Tensor,
                  page_bytes: int, page_size: int, *, session: str, lookup_wait: float = 0.002,
                  default_meta: dict[str, Any] | None = None, trust_request_params: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, fetch_wait: float = PEER_FETCH_WAIT) -> None:
         self.link = link
+        self.fetch_wait = fetch_wait
         self.primary = primary.view(torch.uint8)[:, :page_bytes]  # vLLM's chunks without their padding
         self.page_bytes = page_bytes
         self.page_size = page_size
@@ -126,7 +134,7 @@ class TierSide:
         meta = dict(self.default_meta)
         if self.trust_request_params and params:
             meta.update({k: params[k] for k in META_FIELDS if k in params})
-        self._requests[req_id] = _Request(meta)
+        self._requests[req_id] = _Request(meta, source=peer_source(params))
 
     def _request(self, req_id: str) -> _Request:
         req = self._requests.get(req_id)
@@ -179,7 +187,7 @@ class TierSide:
         neither yet (RETRY)."""
         assert hold.future is not None
         if not hold.future.done():
-            if self.clock() - hold.sent_at < self.lookup_wait:
+            if self.clock() - hold.sent_at < hold.wait:
                 return False
             self._release(req, hold)  # served without the tier; released when the answer comes
             self.link.record(lambda r: r.fail("lookup"))
@@ -198,6 +206,14 @@ class TierSide:
             for key in hold.keys:
                 req.answers[key] = None
             return True
+        if result.fetching and hold.op is not None:  # the sidecar fetches from the peer: asked again (without
+            # the hint once it waited fetch_wait)
+            if self.clock() - hold.sent_at >= hold.wait:
+                hold.op = wire.Admit(hold.op.seq_id, hold.op.hashes, hold.op.num_tokens,
+                                     hold.op.meta, hold_only=True)
+                hold.sent_at, hold.wait = self.clock(), self.lookup_wait
+            hold.future = self.link.admit(hold.op)
+            return False
         hold.generation, hold.epoch, hold.fence = gen, result.epoch, result.fence
         hits = result.cached_tokens // self.page_size
         hold.pages = dict(zip(hold.keys[:hits], result.page_ids[:hits], strict=True))
@@ -217,11 +233,13 @@ class TierSide:
                 continue
             keys = list(itertools.islice(req.batch, wire.MAX_BLOCKS))
             req.batch = {}
-            hold = _Hold(req_id, f"{self._prefix}-{next(self._ids)}", keys, self.clock())
+            hold = _Hold(req_id, f"{self._prefix}-{next(self._ids)}", keys, self.clock(),
+                         wait=self.lookup_wait if req.source is None else max(self.lookup_wait, self.fetch_wait))
             if self.link.available():
                 meta = req.meta
-                hold.future = self.link.admit(wire.Admit(hold.seq_id, keys, len(keys) * self.page_size,
-                                                         wire.Meta(**meta) if meta else None, hold_only=True))
+                hold.op = wire.Admit(hold.seq_id, keys, len(keys) * self.page_size, wire.Meta(**meta) if meta else None,
+                                     hold_only=True, source=req.source)
+                hold.future = self.link.admit(hold.op)
                 req.holds.append(hold)
                 for key in keys:
                     req.answers[key] = hold

@@ -135,6 +135,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 world_size=self.ranks,
                 default_meta=self.settings.defaults.model_dump(),
                 trust_request_params=self.settings.trust_request_params,
+                fetch_wait=self.settings.peer_fetch_wait_ms / 1000,
             )
 
     @classmethod

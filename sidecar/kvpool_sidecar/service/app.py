@@ -50,7 +50,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_socket: str | None = None,
     engine_quarantine: float = DEFAULT_QUARANTINE, peers: Peers | None = None) -> FastAPI:
     credentials = as_credentials(token)
-    channel = EngineChannel(sidecar, engine_socket, credentials, engine_quarantine) if engine_socket else None
+    channel = EngineChannel(sidecar, engine_socket, credentials, engine_quarantine, peers) if engine_socket else None
     app = FastAPI(
         title="kvpool sidecar",
         version="0.1.0",

@@ -27,6 +27,9 @@ checked after its read read nothing the sidecar had handed on.
 Keys: block hashes are namespaced by the session's model identity (model, revision, dtype, KV layout:
 the connector's ``model``), so an engine serving other weights never loads another model's pages.
 
+Peer fetches: an admission naming a source (the request's ``remote_kv_source`` hint) whose pages are not all
+cached here may be answered "fetching" while the sidecar fetches them from that peer (:mod:`.lookups`).
+
 KV events: a session whose Hello asks for them follows the pool's removals of its model's pages
 (:mod:`.removals`); each reply carries the block hashes that left before the step's commits and during
 its admissions, so that the connector publishes stores and removals in the order they happened.
@@ -57,6 +60,7 @@ from kvpool_sidecar.pool import PoolError, PoolExhausted, UnknownSequence
 from kvpool_sidecar.service import models
 from kvpool_sidecar.service.credentials import Credentials, Principal
 from kvpool_sidecar.service.http import ApiError, error_name, workload_meta
+from kvpool_sidecar.service.lookups import LookupFetches
 from kvpool_sidecar.service.removals import RemovalFeed
 from kvpool_sidecar.service.state import HEAVY_PAGES, Sidecar
 from kvpool_sidecar.storage import NoFenceSlot
@@ -78,6 +82,7 @@ class Session:
         self.id = session_id
         self.who = dataclasses.replace(who, session=f"{session_id}#{serial}")
         self.ns = namespace(model)
+        self.model = model
         self.live: set[str] = set()
         self.feed: RemovalFeed | None = None
         self.fence: tuple[int, int] | None = None  # its copies' fence word in the pool (a scheduler's)
@@ -88,7 +93,7 @@ class EngineChannel:
     """Serves :mod:`kvpool_sidecar.wire` on ``path`` for one :class:`Sidecar`."""
 
     def __init__(self, sidecar: Sidecar, path: str | Path, credentials: Credentials | None,
-                 quarantine: float = DEFAULT_QUARANTINE) -> None:
+                 quarantine: float = DEFAULT_QUARANTINE, peers: Any = None) -> None:
         self.sidecar = sidecar
         self.path = Path(path)
         self.credentials = credentials
@@ -98,8 +103,11 @@ class EngineChannel:
         self._serial = itertools.count(1)
         self._handshakes = 0
         self._releases: set[asyncio.Task] = set()  # quarantined sequences waiting for their release
+        # Lookups that fetch from a peer (peers: the sidecar's kvpool_sidecar.peers.node.Peers, or None).
+        self.fetches = LookupFetches(sidecar.pool, sidecar.metrics, peers.client if peers is not None else None)
 
     async def start(self) -> None:
+        self.fetches.loop = asyncio.get_running_loop()
         check_socket_dir(self.path)
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(self.path.lstat().st_mode):
@@ -126,6 +134,7 @@ class EngineChannel:
         finally:
             for task in list(self._releases):  # the pool goes with the sidecar
                 task.cancel()
+            self.fetches.cancel()
             await self.close()
 
     # --------------------------------------------------------------------------- a connection
@@ -234,6 +243,7 @@ class EngineChannel:
     async def _lapse(self, session: Session) -> None:
         """The session's connection is gone: what it held lapses, into quarantine."""
         session.ended.set()
+        self.fetches.forget(session.who.session)
         sc = self.sidecar
         slot = session.fence[0] if session.fence is not None else None
         if sc.storage is not None:  # first: its engine's queued copies stop at their next check
@@ -339,6 +349,8 @@ class EngineChannel:
         if adm.meta is not None and adm.meta.adapter:
             meta = _mapped(meta, sc.state.config.workloads.adapter_rule(adm.meta.adapter))
         keys = namespaced(session.ns, adm.hashes)
+        if self.fetches.pending(session.who.session, session.model, adm, keys, meta):
+            return wire.Admitted([], 0, sc.storage_epoch, session.fence, fetching=True)
         if adm.hold_only:  # a lookup: the cached prefix, held, and no page allocated (none evicted)
             keys = keys[: sc.pool.cached_pages(keys, meta)]
             if not keys:

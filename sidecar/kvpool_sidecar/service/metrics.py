@@ -152,6 +152,10 @@ class SidecarMetrics:
             "kvpool_peer_fetch_seconds", "A peer fetch from its start to its result (hit, miss or failure)",
             buckets=LOOKUP_BUCKETS, registry=r,
         )
+        self.peer_fetch_late = Counter(
+            "kvpool_peer_fetch_late", "Engine lookups that stopped waiting for their peer fetch (the engine "
+            "computed; the fetch lands for later requests)", registry=r,
+        )
         self.peer_served_pages = Counter(
             "kvpool_peer_served_pages", "Pages held for peers to read (offered to their fetches)", registry=r,
         )
