@@ -5,6 +5,11 @@ to-C's prefixes. One run per seed of the kvpool importable here (run it again wi
 ``PYTHONPATH`` to compare two versions on the same traffic).
 
     VLLM_CPU_OMP_THREADS_BIND=0 .venv/bin/python bench/save_pages.py --seeds 7,8
+    VLLM_CPU_OMP_THREADS_BIND=0 .venv/bin/python bench/save_pages.py --policy lru --isolation 0 --evidence off
+
+``--policy``, ``--isolation`` (to-B's share, percent) and ``--evidence`` (``eviction.admitByEvidence``;
+left out of the config when not given, so that an older sidecar reads it) set the sidecar's policy; the
+admin's adapter mapping is there in every case.
 
 The sidecar's ``/v1/stats`` is sampled every ``--every`` seconds: ``unwritten_pages`` (pages live
 sequences hold that are not published: bytes not yet written, or written and not yet committed), its peak
@@ -113,6 +118,9 @@ def main() -> int:
     ap.add_argument("--gpu-blocks", type=int, default=60, help="vLLM's own cache (blocks of 32 tokens)")
     ap.add_argument("--pool-pages", type=int, default=200, help="the tier (pages of 32 tokens)")
     ap.add_argument("--max-model-len", type=int, default=1024, help="below vLLM's own cache: a request must fit it")
+    ap.add_argument("--policy", default="", help="eviction.policy (default: the shipped one)")
+    ap.add_argument("--isolation", type=float, default=None, help="workloads.toB.isolationPercent")
+    ap.add_argument("--evidence", choices=("on", "off"), default="", help="eviction.admitByEvidence")
     ap.add_argument("--every", type=float, default=0.02, help="seconds between two samples of the stats")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvpool-save-pages-"))
@@ -122,18 +130,25 @@ def main() -> int:
                        "--served-model-name", "base", "--enable-prompt-tokens-details",
                        "--max-model-len", str(args.max_model_len)]  # vLLM's last --max-model-len wins
     args.tensor_parallel_size = 1
-    args.kvpool_config = json.dumps({"pageSize": BLOCK,
-                                     "workloads": {"adapters": [{"adapter": "tob", "workloadClass": "toB"}]}})
+    config: dict = {"pageSize": BLOCK, "workloads": {"adapters": [{"adapter": "tob", "workloadClass": "toB"}]}}
+    if args.policy:
+        config["eviction"] = {"policy": args.policy}
+    if args.evidence:
+        config.setdefault("eviction", {})["admitByEvidence"] = args.evidence == "on"
+    if args.isolation is not None:
+        config["workloads"]["toB"] = {"isolationPercent": args.isolation}
+    args.kvpool_config = json.dumps(config)
     import kvpool_sidecar
 
-    print(f"kvpool from {Path(kvpool_sidecar.__file__).parent}; vLLM's cache {args.gpu_blocks} blocks, tier "
+    print(f"kvpool from {Path(kvpool_sidecar.__file__).parent}")
+    print(f"config {args.kvpool_config}; vLLM's cache {args.gpu_blocks} blocks, tier "
           f"{args.pool_pages} pages of {BLOCK}; to-C {args.prompts} prompts over {args.prefixes} prefixes of "
           f"{args.prefix_len} (+{args.suffix_len}), to-B {args.prompts} x {args.tob_len} never sent again, "
           f"{args.clients} clients each, {args.output_len} tokens out")
     reusable = (args.prompts - args.prefixes) * args.prefix_len  # an upper bound: every prefix seen before
     print("| seed | unwritten pages peak | mean | tier tokens | to-C cached tokens | share of to-C's reusable "
-          "| wall s |")
-    print("|---|---|---|---|---|---|---|")
+          "| pages refused by evidence | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
     for seed in (int(s) for s in args.seeds.split(",")):
         toc, tob = prompts(args, seed)
         sys_work = work / f"seed-{seed}"
@@ -148,10 +163,12 @@ def main() -> int:
             after = httpx.get(stack.url + "/metrics", timeout=10).text
             name = "vllm:external_prefix_cache_hits_total"
             tier = metric(after, name) - metric(before, name)
+            refused = httpx.get(stack.sidecar_url + "/v1/stats", timeout=10).json().get("evidence_refused_pages", "-")
         finally:
             stack.close()
         print(f"| {seed} | {max(samples, default=0)} | {statistics.fmean(samples) if samples else 0:.1f} | "
-              f"{int(tier):,} | {row['toc_cached']:,} | {row['toc_cached'] / reusable:.2f} | {row['wall']:.0f} |",
+              f"{int(tier):,} | {row['toc_cached']:,} | {row['toc_cached'] / reusable:.2f} | {refused} | "
+              f"{row['wall']:.0f} |",
               flush=True)
     return 0
 

@@ -114,6 +114,7 @@ class PagePool:
         self.hit_tokens = 0
         self.lookup_tokens = 0
         self.observer_errors = 0  # observers (statistics, tuners) that raised; the pool stayed exact
+        self.evidence_refused = 0  # pages grows did not take: the victim's evidence outweighed theirs
         self._apply(spec, settings)
 
     def _apply(self, spec: KVCachePolicySpec, settings: PoolSettings) -> None:
@@ -294,10 +295,42 @@ class PagePool:
             if need <= 0:
                 return []
         start = len(seq.pages)
-        pages = eviction.allocate(seq.partition, need, now)
+        if self.settings.by_evidence:
+            pages = self._allocate_by_evidence(seq, need, now)
+        else:
+            pages = eviction.allocate(seq.partition, need, now)
+        if not pages:
+            return []
         self.sequences.grow(seq, pages)
         if seq.counts is not None and self.frequencies.counting:
             self.frequencies.assign(pages, seq.counts[start : start + need])
+        return pages
+
+    def _allocate_by_evidence(self, seq: SeqState, need: int, now: float) -> list[int]:
+        """Up to ``need`` pages for ``seq``, one at a time, stopping before a victim that came back (a
+        request hit it since it was cached) and whose class comes back more often than ``seq``'s: a page
+        with no evidence of reuse does not evict one with it. The evidence is the reuse model's
+        probability that a released page is reused, by class: a class it has not seen yet is at the
+        prior, so nothing is refused before the classes differ. The pages it stops short of are counted
+        (``evidence_refused``)."""
+        eviction = self.eviction
+        table = self.table
+        part = seq.partition
+        params = self.model.params
+        own = params(seq.klass)[0]
+        odds: dict[Hashable, float] = {}
+        pages: list[int] = []
+        while len(pages) < need:
+            victim = eviction.next_victim(part, now)
+            if victim is not None and table.reused[victim]:
+                klass = table.klass[victim]
+                p = odds.get(klass)
+                if p is None:
+                    p = odds[klass] = params(klass)[0]
+                if p > own:
+                    self.evidence_refused += need - len(pages)
+                    break
+            pages += eviction.allocate(part, 1, now)
         return pages
 
     def _observe(self, observer: Callable[..., Any], *args: object) -> Any:

@@ -99,6 +99,7 @@ class PoolSettings:
     isolate: bool  # per-tenant keys
     shared_first: frozenset[str]  # first pages every tenant shares
     class_by: tuple[bool, bool]  # statistics classes by request type, by turn
+    by_evidence: bool  # eviction.admitByEvidence (PagePool.grow)
 
     @classmethod
     def of(cls, spec: KVCachePolicySpec, n: int) -> PoolSettings:
@@ -117,4 +118,5 @@ class PoolSettings:
             isolate=spec.tenancy.isolation == "perTenant",
             shared_first=frozenset(spec.tenancy.sharedPrefixes),
             class_by=("requestType" in spec.learning.classBy, "turn" in spec.learning.classBy),
+            by_evidence=spec.eviction.admitByEvidence,
         )
