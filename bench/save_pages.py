@@ -147,8 +147,8 @@ def main() -> int:
           f"{args.clients} clients each, {args.output_len} tokens out")
     reusable = (args.prompts - args.prefixes) * args.prefix_len  # an upper bound: every prefix seen before
     print("| seed | unwritten pages peak | mean | tier tokens | to-C cached tokens | share of to-C's reusable "
-          "| pages refused by evidence | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| tokens saved | evictions | connector failures | pages refused by evidence | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for seed in (int(s) for s in args.seeds.split(",")):
         toc, tob = prompts(args, seed)
         sys_work = work / f"seed-{seed}"
@@ -163,12 +163,17 @@ def main() -> int:
             after = httpx.get(stack.url + "/metrics", timeout=10).text
             name = "vllm:external_prefix_cache_hits_total"
             tier = metric(after, name) - metric(before, name)
-            refused = httpx.get(stack.sidecar_url + "/v1/stats", timeout=10).json().get("evidence_refused_pages", "-")
+            time.sleep(1.5)  # the connector's last report
+            stats = httpx.get(stack.sidecar_url + "/v1/stats", timeout=10).json()
+            refused = stats.get("evidence_refused_pages", "-")
+            side = httpx.get(stack.sidecar_url + "/metrics", timeout=10).text
+            saved = metric(side, 'kvpool_connector_tokens_total{direction="saved"}')
+            failures = metric(side, "kvpool_connector_failures_total")
         finally:
             stack.close()
         print(f"| {seed} | {max(samples, default=0)} | {statistics.fmean(samples) if samples else 0:.1f} | "
-              f"{int(tier):,} | {row['toc_cached']:,} | {row['toc_cached'] / reusable:.2f} | {refused} | "
-              f"{row['wall']:.0f} |",
+              f"{int(tier):,} | {row['toc_cached']:,} | {row['toc_cached'] / reusable:.2f} | {int(saved):,} | "
+              f"{stats['evictions']:,} | {int(failures)} | {refused} | {row['wall']:.0f} |",
               flush=True)
     return 0
 
