@@ -20,7 +20,8 @@ Traffic (``--seed`` fixes every prompt and every think time; identical for every
   its name, which the admin's mapping ``workloads.adapters`` reads; no client can claim it). ``--tob``
   names the kinds to run, comma-separated: ``unique``: never sent again; ``return``: each sent again
   1-3 s later; ``flood``: no bursts, but ``--flood-clients`` clients sending fresh prompts back to back
-  for ``--duration`` seconds (never sent again: the flood of issue 67); ``both``: unique and return.
+  for ``--duration`` seconds (never sent again: the flood of issue 67; closed-loop, so a system that
+  serves slower receives fewer to-B prompts in the same time); ``both``: unique and return.
 Each request streams (TTFT is its first token's arrival) and returns vLLM's per-request cached prompt
 tokens (``--enable-prompt-tokens-details``: vLLM's own cache and the tier together).
 
