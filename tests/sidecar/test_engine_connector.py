@@ -186,6 +186,7 @@ def test_a_request_finishing_before_its_pages_come_is_saved_by_a_later_plan_and_
         side.sent({"r"})
         settle(side.link, sidecar)
         assert wait_for(side, "again", hashes(3), 13, 0, None) == 3 * PS  # committed
+        assert not side._draining and not side._finishing and "r" not in side._saved  # nothing of it is kept
         sidecar.pool.check_invariants()
         worker.close()
         side.link.close()

@@ -433,7 +433,8 @@ class SchedulerSide:
         plan.saves.append(SaveJob(req_id, req.epoch, req.page_ids[req.saved : upto],
                                   req.blocks[req.saved : upto], req.fence))
         req.saved = upto
-        self._saved.add(req_id)
+        if not req.draining:  # a draining request finished already: _finishing has it
+            self._saved.add(req_id)
         return upto
 
     def worker_done(self, done: StepDone) -> None:
@@ -483,7 +484,7 @@ class SchedulerSide:
             # Blocks computed whose save is not planned yet: the engine keeps them until it is written.
             req.draining = req.ended = True
             self._draining[req_id] = req
-            self._saved.add(req_id)
+            self._saved.discard(req_id)  # it finishes through finished_sending: _finishing has it
             self._finishing[req_id] = req
             return True
         if req_id in self._saved:
