@@ -3,9 +3,9 @@ set, side by side in one run per seed: kvpool as shipped (the admin's mapping pu
 requests in the to-B class; the shared document named in ``pinning.prompts``), kvpool with
 isolation 0 and LRU (no mapping, no named prompt), LMCache LRU on the same bytes, and vLLM alone.
 
-    .venv/bin/python bench/classes.py                          # tiny model, seeds 1-3, both to-B kinds
+    .venv/bin/python bench/classes.py                          # tiny model, seeds 1-3, bursts of both kinds
     .venv/bin/python bench/classes.py --model mid --seeds 1
-    .venv/bin/python bench/classes.py --tob unique --systems vllm,kvpool
+    .venv/bin/python bench/classes.py --tob flood,return --systems vllm,kvpool
 
 Traffic (``--seed`` fixes every prompt and every think time; identical for every system):
 * to-C: ``--conversations`` chats, each ``--turns`` turns, every prompt opening with one shared system
@@ -17,13 +17,20 @@ Traffic (``--seed`` fixes every prompt and every think time; identical for every
   tier over, the case a pinned prompt is for (kvpool as shipped names it in ``pinning.prompts``).
 * to-B: a burst of ``--burst`` prompts of ``--tob-len`` tokens every ``--burst-every`` seconds, served
   with the LoRA adapter ``tob`` (a random rank-8 adapter built here: the engine hands the connector
-  its name, which the admin's mapping ``workloads.adapters`` reads; no client can claim it). ``--tob
-  unique``: never sent again; ``--tob return``: each sent again 1-3 s later.
+  its name, which the admin's mapping ``workloads.adapters`` reads; no client can claim it). ``--tob``
+  names the kinds to run, comma-separated: ``unique``: never sent again; ``return``: each sent again
+  1-3 s later; ``flood``: no bursts, but ``--flood-clients`` clients sending fresh prompts back to back
+  for ``--duration`` seconds (never sent again: the flood of issue 67; closed-loop, so a system that
+  serves slower receives fewer to-B prompts in the same time); ``both``: unique and return.
 Each request streams (TTFT is its first token's arrival) and returns vLLM's per-request cached prompt
 tokens (``--enable-prompt-tokens-details``: vLLM's own cache and the tier together).
 
 Figures per system: to-C prompt tokens cached and, beside it, that minus vLLM alone's in the same round
-(what the tier added: an estimate, since vLLM's own cache does not evict identically in every run),
+(what the tier added: an estimate, since vLLM's own cache does not evict identically in every run), the
+share of to-C's reusable tokens that were cached (vLLM's own cache and the tier; reusable: each prompt's
+whole blocks shared with the prompt before it in its chat, the system prompt for every chat's first turn
+but the first chat's, the document for every question but the first, at most the prompt's length less
+one token, which the engine always computes),
 second-tier tokens in all (vLLM's ``external_prefix_cache_hits``), to-C TTFT p50/p99, requests/s over
 the run, and the share of document questions that found the whole document cached (vLLM's cache or the
 tier; its first, which computes it, counted too).
@@ -83,6 +90,30 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 Turns = list[tuple[float, list[int]]]
 
 
+def reusable_tokens(args: argparse.Namespace, doc: list[int], chats: list[Turns], questions: Turns) -> int:
+    """to-C's prompt tokens an engine with an unbounded cache could find cached (the module doc's rule)."""
+
+    def shared(a: list[int], b: list[int]) -> int:
+        n = 0
+        for x, y in zip(a, b, strict=False):
+            if x != y:
+                break
+            n += 1
+        return min(n, len(b) - 1) // BLOCK * BLOCK
+
+    total = 0
+    for c, turns in enumerate(chats):
+        previous: list[int] = []
+        for t, (_, prompt) in enumerate(turns):
+            if t:
+                total += shared(previous, prompt)
+            elif c:
+                total += shared(chats[0][0][1], prompt)  # the system prompt
+            previous = prompt
+    total += sum(shared(doc, prompt) for _, prompt in questions[1:])
+    return total
+
+
 def plan(args: argparse.Namespace, seed: int) -> tuple[list[int], list[Turns], Turns, list]:
     """The document, each conversation's turns (think time before it, prompt), the document's questions
     (wait before each, prompt) and the to-B sends (time, prompt): the same for every system."""
@@ -99,6 +130,8 @@ def plan(args: argparse.Namespace, seed: int) -> tuple[list[int], list[Turns], T
     questions = [(args.doc_every, doc + tokens(rng, args.user_len)) for _ in range(asks)]
     sends = []
     t = 0.0
+    if args.tob == "flood":  # prompts for the flood's clients, sent back to back (more than they can send)
+        return doc, chats, questions, [(0.0, tokens(rng, args.tob_len)) for _ in range(args.flood_prompts)]
     while t < args.duration:
         for _ in range(args.burst):
             p = tokens(rng, args.tob_len)
@@ -146,7 +179,23 @@ async def drive(url: str, args: argparse.Namespace, doc: list[int], chats: list[
                     seen.append(cached)
                 done["n"] += 1
 
+        async def flood() -> None:
+            start = time.monotonic()
+            queue = [prompt for _, prompt in sends]
+
+            async def client_loop() -> None:
+                while queue and time.monotonic() - start < args.duration:
+                    prompt = queue.pop()
+                    async with limit:
+                        await one(client, url, "tob", prompt, args.output_len)
+                    done["n"] += 1
+
+            await asyncio.gather(*(client_loop() for _ in range(args.flood_clients)))
+
         async def tob() -> None:
+            if args.tob == "flood":
+                await flood()
+                return
             start = time.monotonic()
 
             async def send(prompt: list[int]) -> None:
@@ -185,7 +234,9 @@ def main() -> int:
     ap.add_argument("--model", choices=("tiny", "mid"), default="tiny")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--tob", choices=("unique", "return", "both"), default="both")
+    ap.add_argument("--tob", default="both", help="to-B kinds, comma-separated: unique, return, flood, both")
+    ap.add_argument("--flood-clients", type=int, default=4, help="--tob flood: to-B clients sending back to back")
+    ap.add_argument("--flood-prompts", type=int, default=2000, help="--tob flood: prompts prepared (at most)")
     ap.add_argument("--conversations", type=int, default=24)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-len", type=int, default=256)
@@ -215,17 +266,22 @@ def main() -> int:
     args.vllm_extra = ["--enable-lora", "--lora-modules", f"tob={adapter}", "--max-lora-rank", "8",
                        "--served-model-name", "base", "--enable-prompt-tokens-details"]
     args.tensor_parallel_size = 1
-    kinds = ("unique", "return") if args.tob == "both" else (args.tob,)
+    kinds = [k for kind in args.tob.split(",") for k in (("unique", "return") if kind == "both" else (kind,))]
+    if set(kinds) - {"unique", "return", "flood"}:
+        ap.error(f"--tob: unknown {', '.join(sorted(set(kinds) - {'unique', 'return', 'flood'}))} (known: unique, "
+                 "return, flood, both)")
     print(f"model {args.model}; vLLM's cache {args.gpu_blocks} blocks, second tier {args.pool_pages} pages of {BLOCK}; "
           f"{args.conversations} chats x {args.turns} turns (system prompt {args.system_len}), to-B {args.burst} x "
-          f"{args.tob_len} tokens every {args.burst_every:g} s for {args.duration:g} s")
-    print("| to-B | seed | system | to-C tokens cached | minus vLLM alone's | 2nd-tier tokens | to-C TTFT p50 ms "
-          "| p99 ms | req/s | document hits |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"{args.tob_len} tokens every {args.burst_every:g} s for {args.duration:g} s (a flood: {args.flood_clients} "
+          "clients back to back)")
+    print("| to-B | seed | system | to-C tokens cached | minus vLLM alone's | share of to-C's reusable "
+          "| 2nd-tier tokens | to-C TTFT p50 ms | p99 ms | req/s | document hits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for kind in kinds:
         args.tob = kind
         for rnd, seed in enumerate(int(s) for s in args.seeds.split(",")):
             doc, chats, questions, sends = plan(args, seed)
+            reusable = reusable_tokens(args, doc, chats, questions)
             rows = {}
             for system in (systems if rnd % 2 == 0 else systems[::-1]):
                 args.kvpool_config = kvpool_config(system, model, doc)
@@ -246,8 +302,9 @@ def main() -> int:
                 r = rows[system]
                 extra = f"{r['toc_cached'] - base['toc_cached']:,}" if base else "-"
                 print(f"| {kind} | {seed} | {system} | {r['toc_cached']:,} / {r['toc_prompt']:,} | {extra} | "
-                      f"{int(r['external']):,} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['rps']:.2f} | "
-                      f"{100 * r['doc_hits']:.0f} % |", flush=True)
+                      f"{r['toc_cached'] / reusable:.2f} of {reusable:,} | {int(r['external']):,} | "
+                      f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['rps']:.2f} | {100 * r['doc_hits']:.0f} % |",
+                      flush=True)
     return 0
 
 

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import uvicorn
 from kvpool_sidecar.config import SidecarConfig, load_config
+from kvpool_sidecar.engines.scheduler import SchedulerSide
 from kvpool_sidecar.peers.node import Peers
 from kvpool_sidecar.service.app import create_app
 from kvpool_sidecar.service.state import Sidecar
@@ -120,3 +121,13 @@ def run_in_small_shm(driver: Path, *args: object, timeout: float = 240,
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     return subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True,
                           text=True, timeout=timeout, env=env)
+
+
+class LongSteps(SchedulerSide):
+    """The connector's scheduler side with steps as long as its lookup budget. A real engine's step
+    lasts milliseconds or more, a test's plans follow each other within microseconds, and a step waits
+    for its grows (the pages its saves take) a share of its duration at most: here each plan waits up to
+    ``lookup_wait`` for them, so that a step's saves are planned in that step whatever the machine's load."""
+
+    def step_budget(self) -> float:
+        return self.lookup_wait

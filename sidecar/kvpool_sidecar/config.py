@@ -114,6 +114,9 @@ class Eviction(StrictModel):
     policy: EvictionPolicyName = "workload_adaptive"
     weights: Weights = Field(default_factory=Weights)
     selfTuning: SelfTuning = Field(default_factory=SelfTuning)
+    admitByEvidence: bool = Field(default=True, description=(
+        "an engine's save does not evict a page that came back for a request whose class comes back less "
+        "often than that page's; off: a save evicts whatever the policy names"))
 
 
 class ToCWorkload(StrictModel):

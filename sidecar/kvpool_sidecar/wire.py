@@ -21,12 +21,12 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL = 3  # 3: an admission's peer source (Admit.source, Admitted.fetching); 2: the segment layout with the
-# writers' slot locks (storage.tensors.LAYOUT); any change to a
+PROTOCOL = 3  # 3: an admission's peer source (Admit.source, Admitted.fetching) and grows (a save's pages taken
+# when it is planned); 2: the segment layout with the writers' slot locks (storage.tensors.LAYOUT); any change to a
 # message or to the segment's layout changes it, and a hello of another version is refused naming both
 MAX_FRAME = 64 << 20  # bytes of one frame after the hello (the connector keeps its steps under STEP_BYTES)
 MAX_HELLO = 16 << 10  # bytes of the first frame, read before anyone is authenticated (a model id is 4 KiB)
-MAX_OPS = 4096  # admissions, commits or releases in one step
+MAX_OPS = 4096  # admissions, commits, releases or grows in one step
 MAX_BLOCKS = 1 << 15  # block hashes in one admission (a million tokens in 32-token pages); the connector
 # admits a longer prompt's first MAX_BLOCKS blocks, and a longer admission fails alone (field hashes)
 MAX_HASH_BYTES = 64
@@ -106,6 +106,17 @@ class Admit(msgspec.Struct, array_like=True):
     hold_only: bool = False
     # Where the missing leading pages may be fetched from: a member of the sidecar's peers, or ignored.
     source: Source | None = None
+    # Hold the cached prefix and allocate nothing yet, but make the sequence whatever is cached: the pages
+    # for the blocks the engine will save are taken when it saves them (Grow), not while it waits.
+    save_later: bool = False
+
+
+class Grow(msgspec.Struct, array_like=True):
+    """A sequence admitted with ``save_later`` grows to ``num_tokens`` (its first tokens, whole pages):
+    pages for the blocks past its own, allocated now, as many as the pool can give (maybe none)."""
+
+    seq_id: str
+    num_tokens: int
 
 
 class Commit(msgspec.Struct, array_like=True):
@@ -126,6 +137,7 @@ class Step(msgspec.Struct, tag="step", array_like=True):
     commits: list[Commit] = msgspec.field(default_factory=list)
     releases: list[str] = msgspec.field(default_factory=list)
     report: Report | None = None
+    grows: list[Grow] = msgspec.field(default_factory=list)
 
 
 class Admitted(msgspec.Struct, tag="admitted", array_like=True):
@@ -138,6 +150,10 @@ class Admitted(msgspec.Struct, tag="admitted", array_like=True):
     # A fetch of the admission's missing pages from its source is under way: nothing was admitted (no
     # sequence, page_ids empty); the same admission asked again is answered once the fetch has ended.
     fetching: bool = False
+
+
+class Grown(msgspec.Struct, tag="grown", array_like=True):
+    page_ids: list[int]  # the pages a grow added, in key order (maybe none: the pool had no room)
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True):
@@ -156,6 +172,7 @@ class StepReply(msgspec.Struct, tag="reply", array_like=True):
     removed_before: list[bytes] = msgspec.field(default_factory=list)
     removed_after: list[bytes] = msgspec.field(default_factory=list)
     removals_lost: bool = False
+    grows: list[Grown | Failed] = msgspec.field(default_factory=list)  # one per grow, in order
 
 
 Message = Hello | Welcome | Refused | Step | StepReply
@@ -218,6 +235,6 @@ def check_hello(msg: Hello) -> None:
 def check_step(msg: Step) -> None:
     """The bounds of one step as a whole; each op's own bounds (:data:`MAX_BLOCKS`, :data:`MAX_SEQ_ID`)
     and rules are answered per op, so that one request over a bound never costs the session."""
-    for name in ("admits", "commits", "releases"):
+    for name in ("admits", "commits", "releases", "grows"):
         if len(getattr(msg, name)) > MAX_OPS:
             raise WireError(f"{name}: at most {MAX_OPS} per step")

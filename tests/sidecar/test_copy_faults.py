@@ -9,10 +9,10 @@ import torch
 from kvpool_sidecar.engines import scheduler as scheduler_module
 from kvpool_sidecar.engines.blocks import engine_layers
 from kvpool_sidecar.engines.link import SidecarLink
-from kvpool_sidecar.engines.scheduler import SchedulerSide, StepDone
+from kvpool_sidecar.engines.scheduler import StepDone
 from kvpool_sidecar.engines.worker import WorkerSide
 from kvpool_sidecar.storage import KVStorage
-from support import live_sidecar, socket_path
+from support import LongSteps, live_sidecar, socket_path
 from test_engine_connector import (
     CONFIG,
     PS,
@@ -39,7 +39,7 @@ def test_a_full_pending_table_stops_saving_and_never_forgets_a_failed_save(monke
     monkeypatch.setattr(scheduler_module, "MAX_PENDING_STEPS", 4)
     path, live = sidecar_with_channel(pages=64)
     with live as (_, sidecar):
-        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
+        side = LongSteps(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
         save_whole(side, "cached", hashes(3, "c"), 13, [20, 21, 22, 23])
         settle(side.link, sidecar, lambda sc: sc.pool.stats().cached_pages == 3)
         n = 8
@@ -73,7 +73,7 @@ def test_a_request_finished_while_its_load_runs_keeps_its_hit_pages_until_the_lo
     would poison its own prefix cache too)."""
     path, live = sidecar_with_channel(pages=8)
     with live as (_, sidecar):
-        side = SchedulerSide(SidecarLink(path, hello()), PS, session="a", lookup_wait=1.0)
+        side = LongSteps(SidecarLink(path, hello()), PS, session="a", lookup_wait=1.0)
         save_whole(side, "first", hashes(3), 13, [1, 2, 3, 4])
         settle(side.link, sidecar, lambda sc: sc.pool.stats().cached_pages == 3)
         assert wait_for(side, "h", hashes(3), 13, 0, None) == 3 * PS
@@ -81,17 +81,24 @@ def test_a_request_finished_while_its_load_runs_keeps_its_hit_pages_until_the_lo
         step = side.plan([("h", [5, 6, 7, 8], True, 3 * PS, 1)])
         hit = set(step.loads[0].pages)
         assert side.finished("h") is False  # aborted: the engine frees its blocks, its load still runs
-        other = SchedulerSide(SidecarLink(path, hello(session="b")), PS, session="b", lookup_wait=1.0)
+        other = LongSteps(SidecarLink(path, hello(session="b")), PS, session="b", lookup_wait=1.0)
         handed: set[int] = set()
+        steps = []
         for i in range(4):  # another engine's prompts want every page of the 8-page pool
             wait_for(other, f"q{i}", hashes(3, f"q{i}"), 13, 0, None)
+            other.allocated(f"q{i}", [1, 2, 3, 4], 0)
+            steps.append(other.plan([(f"q{i}", [1, 2, 3, 4], True, 0, 13)]).step)  # its saves take pages
             handed |= set(other._requests[f"q{i}"].page_ids)
         assert handed and not handed & hit  # none of the pages under the load
         side.worker_done(done(step.step))  # the load is done: now they go back
+        other.worker_done(done(*steps))
         for i in range(4):
             other.finished(f"q{i}")
+        other.sent({f"q{i}" for i in range(4)})
         settle(other.link, sidecar)
         assert wait_for(other, "after", hashes(6, "z"), 25, 0, None) == 0
+        other.allocated("after", list(range(7)), 0)
+        other.plan([("after", list(range(7)), True, 0, 25)])
         assert set(other._requests["after"].page_ids) & hit  # evictable cache again
         side.link.close()
         other.link.close()
@@ -106,7 +113,7 @@ def test_a_save_held_back_past_the_quarantine_never_overwrites_a_page_another_se
     with live_sidecar(CONFIG, pages=4, storage=storage, engine_socket=path, engine_quarantine=0.3) as (_, sidecar):
         kv_a = {name: torch.full_like(t, 1.0) for name, t in engine_kv(6, "cpu").items()}
         worker_a, gated = gated_worker(path, kv_a)
-        a = SchedulerSide(SidecarLink(path, hello(session="a")), PS, session="a", lookup_wait=1.0)
+        a = LongSteps(SidecarLink(path, hello(session="a")), PS, session="a", lookup_wait=1.0)
         wait_for(a, "r", hashes(3, "a"), 13, 0, None)
         a.allocated("r", [1, 2, 3, 4], 0)
         first = a.plan([("r", [1, 2, 3, 4], True, 0, 4)])
@@ -121,7 +128,7 @@ def test_a_save_held_back_past_the_quarantine_never_overwrites_a_page_another_se
         kv_b = {name: torch.full_like(t, 2.0) for name, t in engine_kv(6, "cpu").items()}
         worker_b = WorkerSide(welcome_of(path), engine_layers(kv_b, 6), PS)
         worker_b.attach(strict=True)
-        b = SchedulerSide(SidecarLink(path, hello(session="b")), PS, session="b", lookup_wait=1.0)
+        b = LongSteps(SidecarLink(path, hello(session="b")), PS, session="b", lookup_wait=1.0)
         wait_for(b, "q", hashes(3, "b"), 13, 0, None)
         b.allocated("q", [1, 2, 3, 4], 0)
         plan = b.plan([("q", [1, 2, 3, 4], True, 0, 13)])
@@ -155,7 +162,7 @@ def test_the_save_lane_skips_saves_rather_than_fall_further_behind():
     with live_sidecar(CONFIG, pages=16, storage=storage, engine_socket=path) as (_, sidecar):
         now = [100.0]
         worker, gated = gated_worker(path, engine_kv(8, "cpu"), max_save_backlog=1.0, clock=lambda: now[0])
-        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
+        side = LongSteps(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
         wait_for(side, "r", hashes(6), 25, 0, None)
         side.allocated("r", list(range(1, 8)), 0)
         plans = [side.plan([("r", list(range(1, 8)) if i == 0 else None, i == 0, i * PS, PS)]) for i in range(3)]

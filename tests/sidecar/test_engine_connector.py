@@ -22,7 +22,7 @@ from kvpool_sidecar.engines.scheduler import LoadJob, SchedulerSide, StepDone, S
 from kvpool_sidecar.engines.settings import ConnectorConfigError, parse_settings
 from kvpool_sidecar.engines.worker import WorkerSide
 from kvpool_sidecar.storage import KVStorage, ModelShape
-from support import free_port, live_sidecar, socket_path
+from support import LongSteps, free_port, live_sidecar, socket_path
 
 PS = 4
 SHAPE = ModelShape(layers=2, kv_heads=1, head_dim=8, dtype="float32")
@@ -90,7 +90,7 @@ def test_the_scheduler_plans_saves_commits_after_the_worker_reports_and_loads_th
     path, live = sidecar_with_channel()
     with live as (_, sidecar):
         link = SidecarLink(path, hello())
-        side = SchedulerSide(link, PS, session="s1", lookup_wait=0.5)
+        side = LongSteps(link, PS, session="s1", lookup_wait=0.5)
         # First request: nothing cached; 5 full pages are saved over two steps of chunked prefill.
         assert wait_for(side, "r1", hashes(5), 22, 0, None) == 0
         side.allocated("r1", list(range(100, 106)), 0)
@@ -122,12 +122,82 @@ def test_the_scheduler_plans_saves_commits_after_the_worker_reports_and_loads_th
         link.close()
 
 
+def test_pages_for_unwritten_bytes_are_taken_step_by_step_not_while_requests_wait():
+    """Requests waiting for the engine hold only their hits; a running one holds pages for the blocks its
+    step computes, and none once they are committed: the pool's pages held for bytes not yet written
+    stay bounded by the saves in flight, not by the requests admitted."""
+    path, live = sidecar_with_channel(pages=64)
+    with live as (_, sidecar):
+        side = LongSteps(SidecarLink(path, hello()), PS, session="s", lookup_wait=0.5)
+        for i in range(6):  # a queue of 6 requests of 8 full blocks each: looked up, none scheduled yet
+            assert wait_for(side, f"w{i}", hashes(8, f"w{i}"), 8 * PS + 1, 0, None) == 0
+        assert sidecar.pool.stats().unwritten_pages == 0
+        side.allocated("w0", list(range(9)), 0)
+        step1 = side.plan([("w0", list(range(9)), True, 0, 3 * PS)])  # chunked prefill: 3 blocks
+        assert [len(job.pages) for job in step1.saves] == [3]
+        assert sidecar.pool.stats().unwritten_pages == 3
+        side.worker_done(done(step1.step))
+        step2 = side.plan([("w0", None, False, 3 * PS, 5 * PS + 1)])  # the rest of its prompt
+        settle(side.link, sidecar, lambda sc: len(sc.pool.table.index) == 3)  # step 1's, committed
+        assert [len(job.pages) for job in step2.saves] == [5]
+        assert sidecar.pool.stats().unwritten_pages == 5
+        side.worker_done(done(step2.step))
+        settle(side.link, sidecar, lambda sc: len(sc.pool.table.index) == 8)
+        assert sidecar.pool.stats().unwritten_pages == 0
+        sidecar.pool.check_invariants()
+        side.link.close()
+
+
+class ShortSteps(SchedulerSide):
+    """A busy engine's scheduler: its steps leave no time to wait for a grow's answer."""
+
+    def step_budget(self) -> float:
+        return 0.0
+
+
+def test_a_request_finishing_before_its_pages_come_is_saved_by_a_later_plan_and_its_blocks_kept_until():
+    """The grow of a request's last blocks is answered after the step that computed them, and the request
+    finishes meanwhile (max_tokens=1): the engine keeps its blocks, a later plan saves them, the worker
+    names it in finished_sending only once that save is written, and the page is committed."""
+    path, live = sidecar_with_channel()
+    with live as (_, sidecar):
+        side = ShortSteps(SidecarLink(path, hello()), PS, session="s1", lookup_wait=0.5)
+        kv = engine_kv(4, "cpu")
+        worker = WorkerSide(welcome_of(path), engine_layers(kv, 4), PS)
+        worker.attach(strict=True)
+        wait_for(side, "r", hashes(3), 13, 0, None)
+        side.allocated("r", [1, 2, 3, 0], 0)
+        first = side.plan([("r", [1, 2, 3, 0], True, 0, 13)])
+        assert first.saves == []  # its grow is not answered within the step
+        worker.save(first)
+        assert side.finished("r") is True  # its blocks stay the engine's
+        settle(side.link, sidecar, lambda sc: sc.pool.stats().unwritten_pages == 3)
+        later = side.plan([])
+        assert later.coming == {"r"} and [job.blocks for job in later.saves] == [[1, 2, 3]]
+        assert worker.finished({"r"}, later.released, later.coming) == set()  # not before its save is written
+        worker.save(later)
+        worker.copies.submit(lambda: None).result(5)  # the save lane ran it
+        after = side.plan([])
+        assert after.coming == set()
+        assert worker.finished(set(), after.released, after.coming) == {"r"}
+        reported = worker.take_done()
+        assert reported is not None and not reported.failed_saves, reported
+        side.worker_done(reported)
+        side.sent({"r"})
+        settle(side.link, sidecar)
+        assert wait_for(side, "again", hashes(3), 13, 0, None) == 3 * PS  # committed
+        assert not side._draining and not side._finishing and "r" not in side._saved  # nothing of it is kept
+        sidecar.pool.check_invariants()
+        worker.close()
+        side.link.close()
+
+
 def test_a_request_finishing_in_its_saving_step_keeps_its_save_and_is_released_after_the_commit():
     """max_tokens=1 or an abort: the engine finishes the request before the worker's report arrives."""
     path, live = sidecar_with_channel()
     with live as (_, sidecar):
         link = SidecarLink(path, hello())
-        side = SchedulerSide(link, PS, session="s1", lookup_wait=0.5)
+        side = LongSteps(link, PS, session="s1", lookup_wait=0.5)
         wait_for(side, "r", hashes(3), 13, 0, None)
         side.allocated("r", [1, 2, 3, 4], 0)
         plan = side.plan([("r", [1, 2, 3, 4], True, 0, 13)])
@@ -147,7 +217,7 @@ def test_a_failed_save_is_never_committed_nor_anything_after_it():
     path, live = sidecar_with_channel()
     with live as (_, sidecar):
         link = SidecarLink(path, hello())
-        side = SchedulerSide(link, PS, session="s1", lookup_wait=0.5)
+        side = LongSteps(link, PS, session="s1", lookup_wait=0.5)
         wait_for(side, "r", hashes(4), 17, 0, None)
         side.allocated("r", [1, 2, 3, 4, 5], 0)
         s1 = side.plan([("r", [1, 2, 3, 4, 5], True, 0, 8)])
@@ -164,7 +234,7 @@ def test_an_engine_that_dies_holding_sequences_gets_them_released_and_counted():
     path, live = sidecar_with_channel()
     with live as (_, sidecar):
         link = SidecarLink(path, hello())
-        side = SchedulerSide(link, PS, session="s1", lookup_wait=0.5)
+        side = LongSteps(link, PS, session="s1", lookup_wait=0.5)
         for i in range(5):
             wait_for(side, f"r{i}", hashes(3, f"p{i}"), 13, 0, None)
         assert sidecar.pool.stats().sequences == 5
@@ -178,11 +248,11 @@ def test_an_engine_that_dies_holding_sequences_gets_them_released_and_counted():
 def test_keys_are_namespaced_by_the_model():
     path, live = sidecar_with_channel()
     with live as (_, sidecar):
-        a = SchedulerSide(SidecarLink(path, hello(model="llama@1")), PS, session="a", lookup_wait=0.5)
+        a = LongSteps(SidecarLink(path, hello(model="llama@1")), PS, session="a", lookup_wait=0.5)
         save_whole(a, "r", hashes(3), 13, [1, 2, 3, 4])
         settle(a.link, sidecar)
         assert wait_for(a, "same", hashes(3), 13, 0, None) == 3 * PS
-        b = SchedulerSide(SidecarLink(path, hello(model="llama@2", session="b")), PS, session="b", lookup_wait=0.5)
+        b = LongSteps(SidecarLink(path, hello(model="llama@2", session="b")), PS, session="b", lookup_wait=0.5)
         assert wait_for(b, "other", hashes(3), 13, 0, None) == 0  # other weights: never the first model's KV
         a.link.close()
         b.link.close()
@@ -192,14 +262,14 @@ def test_request_params_choose_nothing_unless_the_deployment_trusts_them():
     path, live = sidecar_with_channel()
     with live as (_, sidecar):
         link = SidecarLink(path, hello())
-        side = SchedulerSide(link, PS, session="s", lookup_wait=0.5, default_meta={"tenant": "acme"})
+        side = LongSteps(link, PS, session="s", lookup_wait=0.5, default_meta={"tenant": "acme"})
         save_whole(side, "victim", hashes(3), 13, [1, 2, 3, 4])
         # A client naming another tenant and the to-B class: the configured defaults apply.
         assert side.meta_of({"tenant": "alice", "workload_class": "toB"}) == {"tenant": "acme"}
         assert wait_for(side, "attacker", hashes(3), 13, 0, {"tenant": "alice", "workload_class": "toB"}) == 3 * PS
         seq = sidecar.pool.sequences.live[next(iter(sidecar.pool.sequences.live))]
         assert (seq.meta.tenant, seq.meta.workload_class) == ("acme", "toC")
-        trusting = SchedulerSide(link, PS, session="t", lookup_wait=0.5, trust_request_params=True)
+        trusting = LongSteps(link, PS, session="t", lookup_wait=0.5, trust_request_params=True)
         assert trusting.meta_of({"tenant": "alice"}) == {"tenant": "alice"}
         assert wait_for(trusting, "gw", hashes(3), 13, 0, {"tenant": "alice"}) == 0  # alice's own namespace
         link.close()
@@ -296,7 +366,7 @@ def test_a_busy_engine_waits_for_lookups_at_most_its_step_time_shared_by_the_req
 
 def test_an_unreachable_sidecar_costs_no_wait_and_is_retried_with_backoff(caplog):
     link = SidecarLink(socket_path(), hello(), timeout=0.5, backoff=Backoff("test sidecar", base=0.2))
-    side = SchedulerSide(link, PS, session="s", lookup_wait=0.5)
+    side = LongSteps(link, PS, session="s", lookup_wait=0.5)
     with caplog.at_level(logging.WARNING, logger="kvpool.engine"):
         assert wait_for(side, "a", hashes(3), 13, 0, None) == 0
         assert side.matched_tokens("b", hashes(3), 13, 0, None) == 0
@@ -313,7 +383,7 @@ def test_a_refused_admission_fails_alone_and_is_counted(caplog):
     path, live = sidecar_with_channel()
     with live as (_, sidecar):
         link = SidecarLink(path, hello())
-        side = SchedulerSide(link, PS, session="s", lookup_wait=0.5, trust_request_params=True)
+        side = LongSteps(link, PS, session="s", lookup_wait=0.5, trust_request_params=True)
         bad = side._admit("bad", hashes(3, "b"), 13, {"workload_class": "bulk"})
         good = side._admit("good", hashes(3, "g"), 13, None)
         with caplog.at_level(logging.WARNING, logger="kvpool.engine"):
@@ -496,7 +566,7 @@ def test_token_keyed_exports_from_an_engine_fed_pool_say_why_they_find_nothing()
             client.export_pages(list(range(8)))
         assert "engine's connector" not in before.value.detail
         link = SidecarLink(path, hello())
-        side = SchedulerSide(link, PS, session="s", lookup_wait=0.5)
+        side = LongSteps(link, PS, session="s", lookup_wait=0.5)
         wait_for(side, "r", hashes(2), 9, 0, None)
         with pytest.raises(SidecarError) as after:
             client.export_pages(list(range(8)))
@@ -600,7 +670,7 @@ def test_pool_pages_are_held_for_the_transfers_only_not_through_decode():
     back while it decodes on: its hits and saved pages are evictable cache again, not held by it."""
     path, live = sidecar_with_channel(pages=16)
     with live as (_, sidecar):
-        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
+        side = LongSteps(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
         save_whole(side, "first", hashes(3), 13, [1, 2, 3, 4])
         settle(side.link, sidecar, lambda sc: sc.pool.stats().cached_pages == 3)
         # A request hitting those 3 pages and saving 2 more, over two steps of chunked prefill.
@@ -641,7 +711,7 @@ def test_a_pin_by_token_ids_holds_the_pages_the_engine_saved_under_its_own_hashe
     probe = engine_block_hashes(list(range(PS)), PS, "sha256", seed)[0]
     tokens = list(range(500, 500 + 3 * PS + 1))
     with live as (url, sidecar):
-        side = SchedulerSide(SidecarLink(path, wire.Hello(wire.PROTOCOL, "scheduler", "s1", model, None, False,
+        side = LongSteps(SidecarLink(path, wire.Hello(wire.PROTOCOL, "scheduler", "s1", model, None, False,
                                                           wire.Hashing("sha256", seed, probe))), PS, session="s1",
                              lookup_wait=1.0)
         save_whole(side, "r", engine_block_hashes(tokens, PS, "sha256", seed), len(tokens), [1, 2, 3, 4])
@@ -656,7 +726,7 @@ def test_a_pin_by_token_ids_holds_the_pages_the_engine_saved_under_its_own_hashe
         side.link.close()
         liar = SidecarLink(path, wire.Hello(wire.PROTOCOL, "scheduler", "s2", "org/liar@1", None, False,
                                             wire.Hashing("sha256", seed, b"x" * 32)))
-        assert wait_for(SchedulerSide(liar, PS, session="s2", lookup_wait=1.0), "q", hashes(1), 5, 0, None) == 0
+        assert wait_for(LongSteps(liar, PS, session="s2", lookup_wait=1.0), "q", hashes(1), 5, 0, None) == 0
         r = httpx.post(url + "/v1/pins", json={"tokens": tokens, "model": "org/liar"})
         assert r.status_code == 422 and r.json()["field"] == "model"
         liar.close()
@@ -694,7 +764,7 @@ def test_a_prompt_the_policy_names_is_pinned_once_its_engine_saved_it_and_outliv
         assert r.status_code == 200, r.text
         until(lambda: "org/served" in (prompt_state(url)["problem"] or ""), "no engine of its model: not said")
         assert prompt_state(url)["pages"] == 3 and prompt_state(url)["pinned"] == 0
-        side = SchedulerSide(SidecarLink(path, wire.Hello(wire.PROTOCOL, "scheduler", "s1", model, None, False,
+        side = LongSteps(SidecarLink(path, wire.Hello(wire.PROTOCOL, "scheduler", "s1", model, None, False,
                                                           wire.Hashing("sha256", seed, probe))), PS, session="s1",
                              lookup_wait=1.0)
         save_whole(side, "sys", engine_block_hashes(system, PS, "sha256", seed), len(system), [1, 2, 3, 4])
@@ -786,7 +856,7 @@ def test_a_step_returns_before_its_save_is_written_and_the_page_is_committed_onl
     with live_sidecar(CONFIG, pages=16, storage=storage, engine_socket=path) as (_, sidecar):
         kv = engine_kv(6, "cpu")
         worker, gated = gated_worker(path, kv)
-        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s1", lookup_wait=0.5)
+        side = LongSteps(SidecarLink(path, hello()), PS, session="s1", lookup_wait=0.5)
         wait_for(side, "r", hashes(3), 13, 0, None)
         side.allocated("r", [1, 2, 3, 4], 0)
         plan = side.plan([("r", [1, 2, 3, 4], True, 0, 13)])
@@ -827,7 +897,7 @@ def test_a_preemption_under_a_held_back_save_lane_returns_at_once_and_commits_no
     with live_sidecar(CONFIG, pages=16, storage=storage, engine_socket=path) as (_, sidecar):
         kv = engine_kv(8, "cpu")
         worker, gated = gated_worker(path, kv)
-        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s1", lookup_wait=0.5)
+        side = LongSteps(SidecarLink(path, hello()), PS, session="s1", lookup_wait=0.5)
         wait_for(side, "q", hashes(4, "q"), 17, 0, None)
         side.allocated("q", [5, 4, 3, 2, 1], 0)
         first = side.plan([("q", [5, 4, 3, 2, 1], True, 0, 8)])
@@ -948,20 +1018,27 @@ def test_the_gpu_transfer_path_moves_the_same_bytes_as_a_direct_copy():
 
 def test_under_pressure_a_request_loads_its_hits_and_saves_what_fits():
     """The pool cannot hold the whole prompt: the request is not turned away, it loads its cached prefix
-    and saves as many of its next blocks as there are pages."""
+    and saves as many of its next blocks as there are pages; the rest is skipped, nothing waits."""
     path, live = sidecar_with_channel(pages=16)
     with live as (_, sidecar):
-        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
+        side = LongSteps(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
         save_whole(side, "first", hashes(3), 13, [1, 2, 3, 4])
         settle(side.link, sidecar)
         free = sidecar.pool.eviction.obtainable(0, []) - 3  # what the to-C partition can give, not evicting
-        wait_for(side, "hog", hashes(free - 2, "g"), (free - 2) * PS + 1, 0, None)  # all but two pages held
+        hog = list(range(100, 100 + free - 1))
+        wait_for(side, "hog", hashes(free - 2, "g"), (free - 2) * PS + 1, 0, None)
+        side.allocated("hog", hog, 0)
+        held = side.plan([("hog", hog, True, 0, (free - 2) * PS + 1)])  # all but two pages held for its save
         prompt = hashes(3) + hashes(10, "new")
         assert wait_for(side, "big", prompt, 13 * PS + 1, 0, None) == 3 * PS  # its hits, though 10 pages lack
         side.allocated("big", list(range(20, 34)), 3 * PS)
         plan = side.plan([("big", list(range(20, 34)), True, 3 * PS, 10 * PS + 1)])
         assert [(len(j.pages), j.blocks) for j in plan.loads] == [(3, [20, 21, 22])]
         assert [j.blocks for j in plan.saves] == [[23, 24]]  # the two pages there were
+        side.worker_done(done(held.step, plan.step))
+        # Its saves end there: no more grows, and its admission goes as soon as its transfers are over.
+        assert side.plan([("big", None, False, 13 * PS + 1, 1)]).saves == []
+        assert side.finished("big") is False
         side.link.close()
 
 
@@ -977,10 +1054,12 @@ def test_the_policy_maps_lora_adapters_to_tenants_and_classes_and_a_live_edit_mo
     with live_sidecar(SidecarConfig.model_validate(mapped), pages=64, engine_socket=path,
                       storage=KVStorage(SHAPE, PS, pages=64, shared=True)) as (_, sidecar):
         link = SidecarLink(path, hello())
-        side = SchedulerSide(link, PS, session="s", lookup_wait=0.5)
+        side = LongSteps(link, PS, session="s", lookup_wait=0.5)
 
         def admitted_meta(req_id: str, tag: str, adapter: str, params: dict | None = None) -> tuple[str, str]:
             assert wait_for(side, req_id, hashes(3, tag), 13, 0, params, None, adapter) == 0
+            side.allocated(req_id, [1, 2, 3, 4], 0)
+            assert [len(job.pages) for job in side.plan([(req_id, [1, 2, 3, 4], True, 0, 13)]).saves] == [3]
             seq = sidecar.pool.sequences.live[side._requests[req_id].seq_id]
             return seq.meta.workload_class, seq.meta.tenant
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from kvpool_sidecar.engines.blocks import LayoutError, PageCopier, check_compatible, engine_layers
 from kvpool_sidecar.engines.link import SidecarLink
-from kvpool_sidecar.engines.scheduler import SchedulerSide, StepDone
+from kvpool_sidecar.engines.scheduler import StepDone
 from kvpool_sidecar.storage import KVStorage, ModelShape
-from support import live_sidecar, socket_path
+from support import LongSteps, live_sidecar, socket_path
 from test_engine_connector import CONFIG, PS, done, hashes, hello, wait_for
 from test_engine_identity import KV, config
 from test_engine_sessions import until
@@ -70,7 +70,7 @@ def test_a_page_is_committed_only_once_every_rank_wrote_its_share_and_never_afte
     path = socket_path()
     storage = KVStorage(TP2, PS, pages=32, shared=True)
     with live_sidecar(CONFIG, pages=32, storage=storage, engine_socket=path) as (_, sidecar):
-        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0, world_size=2)
+        side = LongSteps(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0, world_size=2)
         for req, tag, rank1_fails in (("ok", "a", False), ("bad", "b", True)):
             wait_for(side, req, hashes(3, tag), 13, 0, None)
             side.allocated(req, [1, 2, 3, 4], 0)
@@ -89,7 +89,7 @@ def test_one_ranks_report_alone_commits_nothing():
     path = socket_path()
     with live_sidecar(CONFIG, pages=32, storage=KVStorage(TP2, PS, pages=32, shared=True),
                       engine_socket=path) as (_, sidecar):
-        side = SchedulerSide(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0, world_size=2)
+        side = LongSteps(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0, world_size=2)
         wait_for(side, "r", hashes(3), 13, 0, None)
         side.allocated("r", [1, 2, 3, 4], 0)
         step = side.plan([("r", [1, 2, 3, 4], True, 0, 13)]).step

@@ -18,7 +18,7 @@ from kvpool_sidecar.engines.link import OpFailed, Refused, SidecarLink, fetch_we
 from kvpool_sidecar.engines.scheduler import SchedulerSide
 from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.storage import KVStorage
-from support import free_port, live_sidecar, socket_path
+from support import LongSteps, free_port, live_sidecar, socket_path
 from test_engine_connector import CONFIG, PS, SHAPE, done, hashes, hello, save_whole, settle, wait_for
 
 ENGINE, ADMIN, ROUTER = "e" * 24, "a" * 24, "r" * 24
@@ -45,7 +45,7 @@ def channel(pages: int = 16, quarantine: float = 0.0, **kw):
 
 
 def engine(path: str, session: str, token: str = ENGINE) -> SchedulerSide:
-    return SchedulerSide(SidecarLink(path, hello(session=session, token=token)), PS, session=session,
+    return LongSteps(SidecarLink(path, hello(session=session, token=token)), PS, session=session,
                          lookup_wait=1.0)
 
 
@@ -74,13 +74,12 @@ def test_a_failed_link_invalidates_at_once_and_its_pages_reach_no_other_writer()
         assert sample(sidecar, "kvpool_engine_quarantined_pages") == len(a_pages)
         # B fills the pool meanwhile: none of the pages A's worker may still write is handed to B.
         b_pages: set[int] = set()
-        for i in range(8):  # until the pool has no page left to give
+        for i in range(8):  # the pool turned over
             wait_for(b, f"q{i}", hashes(3, f"b{i}"), 13, 0, None)
-            if b._requests[f"q{i}"].epoch is None:
-                break
-            b_pages |= set(sidecar.pool.sequences.live[b._requests[f"q{i}"].seq_id].pages)
             b.allocated(f"q{i}", [10, 11, 12, 13], 0)
-            b.worker_done(done(b.plan([(f"q{i}", [10, 11, 12, 13], True, 0, 13)]).step))
+            step = b.plan([(f"q{i}", [10, 11, 12, 13], True, 0, 13)])
+            b_pages |= set(sidecar.pool.sequences.live[b._requests[f"q{i}"].seq_id].pages)
+            b.worker_done(done(step.step))
             b.finished(f"q{i}")
             b.sent({f"q{i}"})
         assert len(b_pages) >= 6 and not b_pages & a_pages  # B never got a page A's worker may still write
@@ -97,6 +96,8 @@ def test_quarantined_pages_return_once_the_quarantine_ends():
     with live as (_, sidecar):
         a = engine(path, "a")
         wait_for(a, "r", hashes(3), 13, 0, None)
+        a.allocated("r", [1, 2, 3, 4], 0)
+        a.plan([("r", [1, 2, 3, 4], True, 0, 13)])  # its save's pages taken, not yet written
         a.link._conn.sock.close()  # the engine died
         until(lambda: sample(sidecar, "kvpool_engine_quarantined_pages") == 3, "A's pages quarantined")
         assert sidecar.pool.stats().sequences == 1
@@ -217,7 +218,7 @@ def test_a_prompt_longer_than_one_admission_admits_its_first_blocks_and_costs_no
         long = hashes(40_000, "L")
         assert wait_for(side, "long", long, 40_000 * PS + 1, 0, None) == 0
         assert side._requests["long"].num_pages == wire.MAX_BLOCKS
-        assert sidecar.pool.sequences.live[side._requests["long"].seq_id].num_tokens == wire.MAX_BLOCKS * PS
+        assert len(sidecar.pool.sequences.live[side._requests["long"].seq_id].keys) == wire.MAX_BLOCKS
         # The other requests keep their saves and hits, on the same connection.
         side.worker_done(done(saving.step))
         side.finished("saving")
@@ -363,4 +364,13 @@ def test_a_hold_only_admission_holds_the_cached_prefix_and_allocates_nothing():
         # The held pages cannot be evicted: a store wanting every page gets only others.
         _, store = link.admit(wire.Admit("store", hashes(8, "flood"), 8 * PS, None)).result(5)
         assert store.page_ids and not set(store.page_ids) & set(got.page_ids)
+        # The connector's admission: its prefix held, a sequence made even with no hit, its pages grown
+        # when saved; a pool with no page to give grows it by none (the save is skipped), never fails.
+        _, later = link.admit(wire.Admit("later", hashes(2, "l"), 2 * PS, None, save_later=True)).result(5)
+        assert later.page_ids == [] and "later" in sidecar.pool.sequences.live
+        assert link.grow("later", 2 * PS, link.generation).result(5).page_ids == []  # all 8 pages in use
+        with pytest.raises(OpFailed, match="unknown_sequence"):
+            link.grow("nobody", PS, link.generation).result(5)
+        with pytest.raises(OpFailed, match="field save_later"):
+            link.admit(wire.Admit("both", hashes(1), PS, None, hold_only=True, save_later=True)).result(5)
         link.close()

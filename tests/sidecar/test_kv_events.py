@@ -8,9 +8,9 @@ import time
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.link import SidecarLink
-from kvpool_sidecar.engines.scheduler import SchedulerSide
 from kvpool_sidecar.routing.kv_events import EventLog, Removed, Stored
 from kvpool_sidecar.service.removals import RemovalFeed
+from support import LongSteps
 from test_engine_connector import PS, hashes, save_whole, settle, sidecar_with_channel
 
 
@@ -55,9 +55,9 @@ def test_commits_and_evictions_reach_the_connector_in_the_order_the_pool_saw_the
     path, live = sidecar_with_channel(pages=8)
     with live as (_, sidecar):
         log = EventLog()
-        side = SchedulerSide(SidecarLink(path, hello(True), events=log), PS, session="s1", lookup_wait=0.5)
+        side = LongSteps(SidecarLink(path, hello(True), events=log), PS, session="s1", lookup_wait=0.5)
         # A session of the same model without events, and another model's session with them.
-        quiet = SchedulerSide(SidecarLink(path, hello(False, session="s2")), PS, session="s2", lookup_wait=0.5)
+        quiet = LongSteps(SidecarLink(path, hello(False, session="s2")), PS, session="s2", lookup_wait=0.5)
         other = EventLog()
         other_link = SidecarLink(path, hello(True, model="other", session="s3"), events=other)
         a, b = hashes(5, "a"), hashes(6, "b")

@@ -610,3 +610,38 @@ def test_tenants_named_by_callers_hold_a_bounded_salt_cache_and_keep_their_own_k
     assert len(pool._salts) <= MAX_CACHED_SALTS  # the cache of salts is bounded
     assert pool.lookup([1, 2, 3, 4, 5], meta=WorkloadMeta(tenant="acme")) == 4  # acme's keys, recomputed alike
     assert pool.lookup([1, 2, 3, 4, 5], meta=WorkloadMeta(tenant="t1")) == 0
+
+
+def saved_later(pool: PagePool, seq: str, hashes: list[str], meta: WorkloadMeta) -> list[int]:
+    """The connector's way: admitted holding its hits only, grown when its blocks are saved, committed and
+    released; returns the pages its grow took."""
+    pool.admit(seq, block_hashes=hashes, meta=meta, allocate=False)
+    grown = pool.grow(seq, len(hashes) * PS)
+    pool.commit(seq, pool.sequences.get(seq).num_tokens)
+    pool.release(seq)
+    pool.check_invariants()
+    return grown
+
+
+@pytest.mark.parametrize("by_evidence", [True, False])
+def test_a_save_without_reuse_evidence_does_not_evict_a_page_that_came_back(by_evidence):
+    """One shared LRU partition, full: to-C's prefix came back three times, to-B's prompts never did. A
+    to-B save then stops at the prefix (the next victim) instead of evicting it; a to-C save does not.
+    Without the rule (admitByEvidence off) the to-B save evicts the prefix."""
+    pool = make_pool(8, workloads={"toB": {"isolationPercent": 0}}, learning={"minSamples": 1},
+                     eviction={"policy": "lru", "admitByEvidence": by_evidence})
+    toc, tob = WorkloadMeta(workload_class="toC"), WorkloadMeta(workload_class="toB")
+    prefix = [f"p{i}" for i in range(4)]
+    assert len(saved_later(pool, "p", prefix, toc)) == 4
+    for i in range(3):  # it comes back
+        assert saved_later(pool, f"p-again{i}", prefix, toc) == []
+    for i in range(2):  # the rest of the pool: to-B prompts nobody sends again
+        assert len(saved_later(pool, f"b{i}", [f"b{i}-0", f"b{i}-1"], tob)) == 2
+    grown = saved_later(pool, "b2", ["b2-0", "b2-1"], tob)  # the pool is full: the next victim is the prefix's
+    if by_evidence:
+        assert grown == [] and pool.evidence_refused == 2
+        assert pool.lookup(block_hashes=prefix, meta=toc) == 4 * PS  # the prefix stays whole
+        assert len(saved_later(pool, "c", ["c-0"], toc)) == 1  # a to-C save evicts as the policy says
+    else:
+        assert len(grown) == 2 and pool.evidence_refused == 0
+        assert pool.lookup(block_hashes=prefix, meta=toc) < 4 * PS

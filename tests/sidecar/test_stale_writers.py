@@ -22,7 +22,7 @@ from kvpool_sidecar.storage import KVStorage, StaleHandle
 from kvpool_sidecar.storage import tensors as tensors_module
 from kvpool_sidecar.storage.segment import release_instance
 from kvpool_sidecar.storage.tensors import HEADER, LayoutMismatch, WritersStillActive
-from support import live_sidecar, socket_path
+from support import LongSteps, live_sidecar, socket_path
 from test_engine_connector import CONFIG, PS, SHAPE, engine_kv, hashes, hello, settle, wait_for, welcome_of
 from test_engine_sessions import until
 
@@ -79,7 +79,7 @@ def test_a_save_stalled_between_its_check_and_its_write_never_lands_in_a_page_an
     path = socket_path()
     with live_sidecar(CONFIG, pages=6, storage=storage, engine_socket=path, engine_quarantine=0.2) as (_, sidecar):
         worker_a, stall = stalled_worker(path, {n: torch.full_like(t, 1.0) for n, t in engine_kv(6, "cpu").items()})
-        a = SchedulerSide(SidecarLink(path, hello(session="a")), PS, session="a", lookup_wait=1.0)
+        a = LongSteps(SidecarLink(path, hello(session="a")), PS, session="a", lookup_wait=1.0)
         wait_for(a, "r", hashes(3, "a"), 13, 0, None)
         a.allocated("r", [1, 2, 3, 4], 0)
         plan = a.plan([("r", [1, 2, 3, 4], True, 0, 13)])
@@ -95,7 +95,7 @@ def test_a_save_stalled_between_its_check_and_its_write_never_lands_in_a_page_an
         worker_b = WorkerSide(welcome_of(path), engine_layers(
             {n: torch.full_like(t, 2.0) for n, t in engine_kv(6, "cpu").items()}, 6), PS)
         worker_b.attach(strict=True)
-        b = SchedulerSide(SidecarLink(path, hello(session="b")), PS, session="b", lookup_wait=1.0)
+        b = LongSteps(SidecarLink(path, hello(session="b")), PS, session="b", lookup_wait=1.0)
         b_pages = save_and_commit(b, worker_b, "q0", "b0")
         assert b_pages and not set(b_pages) & a_pages  # the free pages only
 
@@ -231,7 +231,7 @@ def test_an_abandoned_hello_leaves_no_session_and_no_fence():
             s.close()
         until(lambda: not storage._fences, "every abandoned hello's fence freed")
         assert sidecar.metrics.registry.get_sample_value("kvpool_engine_sessions") == 0
-        side = SchedulerSide(SidecarLink(path, hello(session="gone")), PS, session="gone", lookup_wait=1.0)
+        side = LongSteps(SidecarLink(path, hello(session="gone")), PS, session="gone", lookup_wait=1.0)
         wait_for(side, "r", hashes(2), 9, 0, None)
         assert side._requests["r"].epoch == storage.epoch  # welcomed and admitted under the same id
         side.link.close()
@@ -304,7 +304,7 @@ def test_a_save_stalled_across_a_sidecar_restart_lands_before_the_new_pool_serve
     try:
         until(lambda: _healthy(port), "the first sidecar serves", 60)
         worker_a, stall = stalled_worker(path, {n: torch.full_like(t, 1.0) for n, t in engine_kv(6, "cpu").items()})
-        a = SchedulerSide(SidecarLink(path, hello(session="a")), PS, session="a", lookup_wait=1.0)
+        a = LongSteps(SidecarLink(path, hello(session="a")), PS, session="a", lookup_wait=1.0)
         wait_for(a, "r", hashes(3, "a"), 13, 0, None)
         a.allocated("r", [1, 2, 3, 4], 0)
         plan = a.plan([("r", [1, 2, 3, 4], True, 0, 13)])
@@ -324,7 +324,7 @@ def test_a_save_stalled_across_a_sidecar_restart_lands_before_the_new_pool_serve
         worker_b = WorkerSide(welcome_of(path), engine_layers(
             {n: torch.full_like(t, 2.0) for n, t in engine_kv(6, "cpu").items()}, 6), PS)
         worker_b.attach(strict=True)
-        b = SchedulerSide(SidecarLink(path, hello(session="b")), PS, session="b", lookup_wait=1.0)
+        b = LongSteps(SidecarLink(path, hello(session="b")), PS, session="b", lookup_wait=1.0)
         b_pages = save_and_commit(b, worker_b, "q", "b")
         assert set(b_pages) & set(plan.saves[0].pages)  # the same page ids, the new pool's
         mapped = KVStorage.attach(fetch_welcome(path, hello(role="worker"), 2).storage)

@@ -2,9 +2,10 @@
 
 The scheduler must never wait on the sidecar for more than its lookup budget, and must keep serving when
 the sidecar is gone. :class:`SidecarLink` owns one thread and one connection: callers
-:meth:`~SidecarLink.admit`, :meth:`~SidecarLink.commit` and :meth:`~SidecarLink.release`; the thread sends
-whatever has queued up as one step message (so a scheduler step's lookups, commits and releases cost one
-round trip, in the order they were queued). An admission returns a :class:`~concurrent.futures.Future`.
+:meth:`~SidecarLink.admit`, :meth:`~SidecarLink.grow`, :meth:`~SidecarLink.commit` and
+:meth:`~SidecarLink.release`; the thread sends whatever has queued up as one step message (so a scheduler
+step's lookups, grows, commits and releases cost one round trip, in the order they were queued). An
+admission and a grow return a :class:`~concurrent.futures.Future`.
 
 The connection is the session's lease: when it breaks, the sidecar lets every sequence the session
 held lapse, so nothing admitted before is valid any more. :attr:`SidecarLink.generation` counts lost
@@ -246,19 +247,26 @@ class SidecarLink:
         self._put(("commit", (wire.Commit(seq_id, num_tokens), generation, published), future), future)
         return future
 
+    def grow(self, seq_id: str, num_tokens: int, generation: int) -> Future:
+        """Answers the pages the sequence (admitted with ``save_later``) grew by, maybe none; dropped
+        (SidecarDown) when its sequence's connection is gone."""
+        future: Future = Future()
+        self._put(("grow", (wire.Grow(seq_id, num_tokens), generation, None), future), future)
+        return future
+
     def release(self, seq_id: str, generation: int) -> None:
         self._put(("release", (seq_id, generation, None), None), None)
 
-    def release_when_answered(self, admission: Future, seq_id: str) -> None:
+    def release_when_answered(self, admission: Future, seq_id: str, made: bool = False) -> None:
         """The caller no longer waits for ``admission``: release its sequence once it is answered (if it
-        made one: a hold-only admission that found nothing makes none)."""
+        made one: ``made``, an admission that always does; a hold-only one that found nothing makes none)."""
 
         def release_late(f: Future) -> None:
             try:
                 gen, result = f.result()
             except Exception:
                 return
-            if result.page_ids:
+            if made or result.page_ids:
                 self.release(seq_id, gen)
 
         admission.add_done_callback(release_late)
@@ -368,12 +376,15 @@ class SidecarLink:
                     continue
                 if kind == "commit":
                     step.commits.append(payload)
+                elif kind == "grow":
+                    step.grows.append(payload)
                 else:
                     step.releases.append(payload)
             sent.append((kind, f, then))
         with self._lock:
             step.report = self.report.take()
-        if not (step.admits or step.commits or step.releases or step.report or self.events is not None):
+        if not (step.admits or step.commits or step.releases or step.grows or step.report
+                or self.events is not None):
             return
         start = time.perf_counter()
         try:
@@ -406,7 +417,8 @@ class SidecarLink:
         events = self.events
         if events is not None:
             events.removed(reply.removed_before)
-        results = {"admit": iter(reply.admits), "commit": iter(reply.commits), "release": iter(reply.releases)}
+        results = {"admit": iter(reply.admits), "commit": iter(reply.commits), "release": iter(reply.releases),
+                   "grow": iter(reply.grows)}
         for kind, f, then in sent:
             result = next(results[kind], None)
             if then is not None and isinstance(result, int):

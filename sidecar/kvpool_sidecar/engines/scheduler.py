@@ -1,9 +1,15 @@
 """The scheduler's half of an engine connector, in the engine's terms but without the engine.
 
-Per request: one admission to the sidecar by the engine's own block hashes (which holds the pool's
-hit pages until they are loaded, and fresh pages for the blocks to save until they are committed),
-then, step by step, which pool pages to load into which engine blocks and which newly computed full
-blocks to save into which pool pages. The worker copies (:mod:`.worker`); this side commits and releases.
+Per request: one admission to the sidecar by the engine's own block hashes, which holds the pool's hit
+pages until they are loaded and allocates nothing else (``save_later``: a request waiting for the engine
+holds no page it has not written); then, step by step, which pool pages to load into which engine blocks
+and which newly computed full blocks to save into which pool pages. The pages to save into are taken when
+the blocks are computed: the plan of the step that completes them asks the sidecar for them (a *grow*)
+and saves into them, if the answer comes within what the step's lookups left of its waiting budget
+(below); else a later plan does, once the answer is in (the engine keeps the blocks meanwhile). A
+grow that finds no page (a pool full of pages in use or pinned) ends the request's saves there: what it
+could not get is not saved, and nothing waits. The worker copies (:mod:`.worker`); this side commits and
+releases.
 A request's admission is released as soon as its transfers are over (its loads read, its last save
 committed or failed), not when the request finishes: a long decode holds no pool page, and what it
 committed stays in the pool as cache, evictable like any other page.
@@ -15,14 +21,16 @@ Ordering, through the engine's own channel (never two links for one request):
 * a request that had saves is finished only through the engine's completion channel: ``finished``
   returns True (the engine keeps its blocks), the worker reports it in ``finished_sending`` once the
   engine has told it the request finished, and only then :meth:`SchedulerSide.sent` releases it, on the
-  same link and after its commits.
+  same link and after its commits. One that finishes with saves still to plan (its grow not answered
+  yet, or answered after the last step that ran it) is *draining*: later plans save it and name it in
+  :attr:`StepPlan.coming` until they have, so that the worker does not report it before.
 
 Rules the engine sets:
 * only full blocks are cached, and the last prompt token is always computed (the engine needs its
   logits), so at most ``(prompt_len - 1) // block_size`` blocks are loaded;
 * the engine reports its own local hit; the pool serves only what lies beyond it.
 
-A lookup costs a scheduling step at most ``lookup_wait`` in all, and a request waits for its lookup at
+A step's lookups and grows cost it at most ``lookup_wait`` in all, and a request waits for its lookup at
 most ``lookup_wait`` from its first ask (then it is served without the pool): a sidecar that does not
 answer costs the engine a millisecond a step, never a timeout. A step waits less when the engine is busy:
 waiting stalls every request the step runs, while a lookup not yet answered costs only its own request
@@ -42,7 +50,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,7 +88,7 @@ class LoadJob:
 class SaveJob:
     req_id: str
     epoch: int
-    pages: list[int]  # pool pages the sidecar allocated for these blocks
+    pages: list[int]  # pool pages the sidecar allocated for these blocks (its grows)
     blocks: list[int]  # engine blocks whose KV is complete after this step
     fence: tuple[int, int] | None = None  # the admission's session fence: no page is written once it moved
 
@@ -96,6 +104,9 @@ class StepPlan:
     # Requests that had saves, all written and reported before they finished: the engine freed their
     # blocks at once, so the worker does not name them in finished_sending.
     released: set[str] = field(default_factory=set)
+    # Finished requests with saves still to plan (this plan's included): the engine keeps their blocks,
+    # and the worker names none of them in finished_sending yet.
+    coming: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -124,7 +135,7 @@ def loadable_tokens(pool_pages: int, local_tokens: int, prompt_len: int, block_s
 class _Request:
     seq_id: str
     prompt_len: int
-    num_pages: int  # full prompt pages admitted
+    num_pages: int  # full prompt pages it may save
     asked_at: float = 0.0
     future: Future | None = None
     page_ids: list[int] = field(default_factory=list)
@@ -138,6 +149,12 @@ class _Request:
     load: tuple[int, int] | None = None  # (first block index, count) still to load
     saved: int = 0  # pages [0, saved) are in the pool or being saved
     save_failed: bool = False  # nothing past a failed save is committed
+    computed: int = 0  # its full prompt blocks computed once the last step that ran it is done
+    granted: int = 0  # leading pages its sequence holds: its hits, then what its grows added
+    grow: Future | None = None  # a grow asked, not yet taken in
+    grow_to: int = 0  # the pages that grow asked for
+    grow_short: bool = False  # a grow found fewer pages than asked: nothing past ``granted`` is saved
+    draining: bool = False  # finished by the engine with saves still to plan
     in_flight: int = 0  # steps with its loads or saves whose worker report is awaited
     ended: bool = False  # the engine is done with this admission (finished, or preempted and back): no more plans
     # With KV events: the engine's request and its block hashes, and how many of its pages the sidecar
@@ -153,13 +170,22 @@ class _Request:
         return self.future is not None or self.epoch is not None
 
     @property
+    def saves_coming(self) -> bool:
+        """Pages asked for or granted that a save has still to write (none failed)."""
+        return not self.save_failed and (self.grow is not None or self.granted > self.saved)
+
+    @property
     def transfers_over(self) -> bool:
         """Nothing of its admission is still to be read or written: its pages can go back. A copy the
         worker has not reported may still read a hit page or write a fresh one, whatever the engine did
         with the request meanwhile: until it is reported, the pages stay held."""
         if self.in_flight:
             return False
-        return self.ended or (self.load is None and (self.saved >= self.num_pages or self.save_failed))
+        if self.ended:
+            return not self.draining
+        saves_over = self.saved >= self.num_pages or self.save_failed or (
+            self.grow_short and self.grow is None and self.saved >= self.granted)
+        return self.load is None and saves_over
 
 
 class SchedulerSide:
@@ -178,6 +204,7 @@ class SchedulerSide:
         self.clock = clock
         self._requests: dict[str, _Request] = {}
         self._finishing: dict[str, _Request | None] = {}  # finished, waiting for finished_sending
+        self._draining: dict[str, _Request] = {}  # finished, saves still to plan
         self._wait_until: float | None = None  # the step's waiting budget: lookup_wait in all, not per request
         self._next_id = 0
         self._prefix = session
@@ -238,11 +265,10 @@ class SchedulerSide:
                 self._ask_again(req)
                 return None
             req.generation = gen
-            req.page_ids = result.page_ids
-            req.num_pages = min(req.num_pages, len(result.page_ids))  # a pool under pressure admits fewer
+            req.page_ids = list(result.page_ids)  # its hits: the pages to save come with its grows
             req.epoch, req.fence = result.epoch, result.fence
             req.pool_pages = result.cached_tokens // self.block_size
-            req.saved = req.published = req.pool_pages
+            req.saved = req.published = req.granted = req.pool_pages
             if self.events is not None and req.pool_pages:
                 self.events.held(req.hashes, req.pool_pages, req.source)
             if req.epoch is None:
@@ -271,7 +297,7 @@ class SchedulerSide:
             meta = self.meta_of(params, adapter)
             source = peer_source(params)  # whether or not params are trusted: it only names a member to read
             op = wire.Admit(req.seq_id, block_hashes, len(block_hashes) * self.block_size,
-                            wire.Meta(**meta) if meta else None, source=source)
+                            wire.Meta(**meta) if meta else None, source=source, save_later=True)
             if source is not None:
                 req.op, req.wait = op, max(self.lookup_wait, self.fetch_wait)
             req.future = self.link.admit(op)
@@ -285,7 +311,7 @@ class SchedulerSide:
         assert op is not None  # only an admission with a source is answered "fetching"
         now = self.clock()
         if now >= req.asked_at + req.wait:
-            op = req.op = wire.Admit(op.seq_id, op.hashes, op.num_tokens, op.meta)
+            op = req.op = wire.Admit(op.seq_id, op.hashes, op.num_tokens, op.meta, save_later=op.save_later)
             req.asked_at, req.wait = now, self.lookup_wait
         req.future = self.link.admit(op)
 
@@ -321,7 +347,7 @@ class SchedulerSide:
     def _give_up(self, req: _Request) -> None:
         future, req.future = req.future, None
         assert future is not None
-        self.link.release_when_answered(future, req.seq_id)
+        self.link.release_when_answered(future, req.seq_id, made=True)
 
     # ------------------------------------------------------------------------------- blocks
     def allocated(self, req_id: str, block_ids: list[int], num_external_tokens: int) -> None:
@@ -339,9 +365,12 @@ class SchedulerSide:
         """``scheduled``: (req_id, block ids: all when ``replace`` else the new ones or None, replace,
         tokens computed before this step, tokens scheduled in it), for every request in the step;
         ``preempted``: the requests the engine preempted (their blocks may be reused in this step)."""
+        now = self.clock()
+        # The step's waiting budget, what its lookups left of it: the grows sent below are waited for
+        # until then, and those not answered by then are saved by a later plan.
+        wait_until = self._wait_until if self._wait_until is not None else now + self.step_budget()
         self._wait_until = None  # the engine builds the plan once per step, after every lookup of it
         self._step += 1
-        now = self.clock()
         if self._planned_at is not None:
             took = min(now - self._planned_at, STEP_TIME_CAP)
             self._step_time = took if self._step_time is None else 0.8 * self._step_time + 0.2 * took
@@ -352,6 +381,8 @@ class SchedulerSide:
         live = self.link.generation
         pending: list[tuple[str, _Request, int | None]] = []
         saving = not self.backlogged
+        running: list[tuple[str, _Request, bool]] = []
+        grows: list[Future] = []
         for req_id, block_ids, replace, computed, scheduled_tokens in scheduled:
             req = self._requests.get(req_id)
             if req is None or req.epoch is None:
@@ -370,23 +401,77 @@ class SchedulerSide:
                 loading = valid
             if not valid:
                 continue
-            upto = min((computed + scheduled_tokens) // bs, req.num_pages, len(req.blocks))
-            if upto > req.saved and not req.save_failed and saving:
-                plan.saves.append(SaveJob(req_id, req.epoch, req.page_ids[req.saved : upto],
-                                          req.blocks[req.saved : upto], req.fence))
-                req.saved = upto
-                self._saved.add(req_id)
+            req.computed = max(req.computed, min((computed + scheduled_tokens) // bs, req.num_pages,
+                                                 len(req.blocks)))
+            running.append((req_id, req, loading))
+            self._take_grow(req)
+            if saving and req.grow is None and not req.grow_short and not req.save_failed \
+                    and req.granted < req.computed:
+                req.grow_to = req.computed  # pages for the blocks this step completes
+                req.grow = self.link.grow(req.seq_id, req.computed * bs, req.generation)
+                grows.append(req.grow)
+        if grows:
+            wait(grows, timeout=max(0.0, wait_until - self.clock()))
+        for req_id, req, loading in running:
+            upto = self._plan_save(plan, req_id, req) if saving else None
+            if upto is not None:
                 pending.append((req_id, req, upto))
             elif loading:
                 pending.append((req_id, req, None))
             elif req.transfers_over:
                 self._release(req)
+        plan.coming = set(self._draining)
+        drained: list[_Request] = []
+        for req_id, req in list(self._draining.items()):
+            upto = None
+            if req.generation != live or req.epoch is None:
+                req.save_failed = True  # its connection went, and its pages with it
+            elif saving:
+                upto = self._plan_save(plan, req_id, req)
+            if upto is not None:
+                pending.append((req_id, req, upto))
+            if not req.saves_coming:
+                del self._draining[req_id]
+                req.draining = False
+                drained.append(req)
         if pending:
             for _, req, _ in pending:
                 req.in_flight += 1
             self._pending[plan.step] = pending
             self._order.append(plan.step)
+        for req in drained:  # after its last save is counted in flight: released once it is reported
+            if req.transfers_over:
+                self._release(req)
         return plan
+
+    @staticmethod
+    def _take_grow(req: _Request) -> None:
+        """Take in the answer of the request's grow, if it is in (never waits)."""
+        future = req.grow
+        if future is None or not future.done():
+            return
+        req.grow = None
+        try:
+            pages = future.result().page_ids
+        except (SidecarDown, OpFailed):
+            pages = []
+        req.page_ids.extend(pages)
+        req.granted += len(pages)
+        req.grow_short = req.granted < req.grow_to
+
+    def _plan_save(self, plan: StepPlan, req_id: str, req: _Request) -> int | None:
+        """A save job for the request's computed blocks that have pages (its grow's answer taken in
+        first); returns the pages it saves up to, or None when it plans none."""
+        self._take_grow(req)
+        upto = min(req.computed, req.granted)
+        if upto <= req.saved or req.save_failed:
+            return None
+        plan.saves.append(SaveJob(req_id, req.epoch, req.page_ids[req.saved : upto],
+                                  req.blocks[req.saved : upto], req.fence))
+        req.saved = upto
+        if not req.draining:  # a draining request finished already: _finishing has it
+            self._saved.add(req_id)
+        return upto
 
     def worker_done(self, done: StepDone) -> None:
         """The worker ran these steps: commit their saves (each rank's write is in), in step order."""
@@ -431,6 +516,13 @@ class SchedulerSide:
         way its pool pages go back only once no copy of it is unreported (:meth:`_end`): a load still in
         flight (an abort while its step runs, vLLM scheduling a step ahead) keeps reading its hit pages."""
         req = self._requests.pop(req_id, None)
+        if req is not None and req.epoch is not None and req.saves_coming:
+            # Blocks computed whose save is not planned yet: the engine keeps them until it is written.
+            req.draining = req.ended = True
+            self._draining[req_id] = req
+            self._saved.discard(req_id)  # it finishes through finished_sending: _finishing has it
+            self._finishing[req_id] = req
+            return True
         if req_id in self._saved:
             self._saved.discard(req_id)
             if req is not None and req.in_flight == 0 and req.load is None:

@@ -273,8 +273,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         if self._worker is None:
             return None, None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        released = meta.plan.released if isinstance(meta, KVPoolMetadata) else frozenset()
-        return self._worker.finished(finished_req_ids, released) or None, None
+        if not isinstance(meta, KVPoolMetadata):
+            return self._worker.finished(finished_req_ids) or None, None
+        return self._worker.finished(finished_req_ids, meta.plan.released, meta.plan.coming) or None, None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None:

@@ -112,6 +112,7 @@ class WorkerSide:
         self._flights: deque[_Flight] = deque()  # saves queued, oldest first
         self._saved: set[str] = set()  # requests that had a save job (they finish through finished_sending)
         self._finishing: set[str] = set()  # of those, finished by the engine, a save still in flight
+        self._coming: set[str] = set()  # finished requests whose saves the scheduler has still to plan
         self._mapped: AttachedKV | None = None  # used and replaced by the forward path's thread only
         self._fresh: AttachedKV | None = None  # a new pool's mapping, made by the background remap
         self._remapping: threading.Thread | None = None
@@ -385,11 +386,17 @@ class WorkerSide:
         done, self.done = self.done, StepDone()
         return done
 
-    def finished(self, finished_req_ids: set[str], released: set[str] | frozenset[str] = frozenset()) -> set[str]:
+    def finished(self, finished_req_ids: set[str], released: set[str] | frozenset[str] = frozenset(),
+                 coming: set[str] | None = None) -> set[str]:
         """Of the requests the engine says finished (now or before), those that had saves and whose saves
         are all written: they may be released (their saves are reported in the same output, by
         :meth:`take_done`, which the engine calls after this). ``released``: requests the scheduler let
-        the engine free at once (every save reported before they finished), never named here."""
+        the engine free at once (every save reported before they finished), never named here;
+        ``coming``: the step plan's finished requests whose saves are still to come (None: no plan
+        this step, the last one's stand), never named here either."""
+        if coming is not None:
+            self._coming = coming
+        self._saved |= self._coming - self._finishing
         self._saved -= released
         self._finishing -= released
         self._finishing |= self._saved & finished_req_ids
@@ -398,7 +405,7 @@ class WorkerSide:
             return set()
         self._harvest()
         busy = {req_id for flight in self._flights for req_id in flight.req_ids}
-        out = self._finishing - busy
+        out = self._finishing - busy - self._coming
         self._finishing -= out
         return out
 

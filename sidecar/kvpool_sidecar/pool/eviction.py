@@ -63,6 +63,7 @@ class Eviction:
         part_of = t.part
         klass_of = t.klass
         user_of = t.user
+        reused_of = t.reused
         cross_user = 0
         reuses: list[tuple[Hashable, int, float]] = []
         reuse_class: Hashable = None
@@ -85,6 +86,7 @@ class Eviction:
                     policies[part_of[page]].take(page, now, True)
             ref[page] += 1
             last[page] = now
+            reused_of[page] = 1
         if reused:
             reuses.append((reuse_class, reused, gap_sum))
             t.in_use += reused
@@ -238,7 +240,25 @@ class Eviction:
         if rest:
             pages += self._evict_for(part, rest, now)  # its pages are already ``part``'s, refcount 1
         self.table.in_use += count
+        reused = self.table.reused
+        for page in pages:
+            reused[page] = 0
         return pages
+
+    def next_victim(self, part: int, now: float) -> int | None:
+        """The page that allocating one page to ``part`` would evict now (as :meth:`allocate` chooses:
+        a free page first, then the other partition's past its share, then ``part``'s own); None when
+        it would take a free page or none is evictable."""
+        free = self.table.free
+        owned = self.owned
+        limit = self.limits[part]
+        if free and owned[part] < limit:
+            return None
+        other = 1 - part
+        if owned[part] < limit and owned[other] > self.caps[other] and len(self.policies[other]):
+            return self.policies[other].peek(now)
+        policy = self.policies[part]
+        return policy.peek(now) if len(policy) else None
 
     def _evict_for(self, part: int, count: int, now: float) -> list[int]:
         """Evict ``count`` victims of ``part``'s policy and hand them back to ``part`` in use (refcount 1)."""

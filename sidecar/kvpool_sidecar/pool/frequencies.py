@@ -65,8 +65,9 @@ class PageFrequencies:
                 policy.set_reuse_weight(None if tuner is None else tuner.weight)
 
     def count(self, keys: list[Hashable], pages: list[int], part: int, workload_class: str,
-                     now: float) -> None:
-        """One admitted prompt: its pages counted, its partition's curve and tuner fed."""
+                     now: float) -> list[int]:
+        """One admitted prompt: its pages counted, its partition's curve and tuner fed. Returns each key's
+        count before this admission (for the pages a sequence takes later: :meth:`assign`)."""
         sketch = self._sketch
         tuner = self._tuners[part]
         before, sampled = sketch.add(keys, tuner.sample_shift if tuner is not None else None)
@@ -81,6 +82,13 @@ class PageFrequencies:
             if tuner.observe(keys, before, sampled, curve.p, window, now):
                 self.eviction.policies[part].set_reuse_weight(tuner.weight)
                 self.tuning_switches[part] += 1
+        return before
+
+    def assign(self, pages: list[int], before: list[int]) -> None:
+        """Pages a sequence took after its admission: their keys' counts as that admission saw them."""
+        page_counts = self._page_counts
+        for page, count in zip(pages, before, strict=False):
+            page_counts[page] = count + 1 if count < COUNT_CAP else count
 
     def tuners(self) -> dict[str, SelfTuner]:
         """The self-tuners by partition (those running)."""

@@ -34,6 +34,7 @@ class PageTable:
         self.expires = [0.0] * n  # when its reuse window ends: set at release (:meth:`.Eviction.release`)
         self.user: list[str] = [""] * n  # who first computed the page (cross-user reuse)
         self.klass: list[Hashable] = [None] * n  # statistics class of the request that last released it
+        self.reused = bytearray(n)  # 1: a request hit the page since it was last handed out (reuse evidence)
         self.index: dict[Hashable, int] = {}
         self.free = list(range(n - 1, -1, -1))  # a stack: page 0 is handed out first
         self.in_use = 0  # pages with refcount > 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 from kvpool_sidecar.config import KVCachePolicySpec
 from kvpool_sidecar.errors import (
@@ -113,6 +114,7 @@ class PagePool:
         self.hit_tokens = 0
         self.lookup_tokens = 0
         self.observer_errors = 0  # observers (statistics, tuners) that raised; the pool stayed exact
+        self.evidence_refused = 0  # pages grows did not take: the victim's evidence outweighed theirs
         self._apply(spec, settings)
 
     def _apply(self, spec: KVCachePolicySpec, settings: PoolSettings) -> None:
@@ -228,8 +230,13 @@ class PagePool:
         num_tokens: int | None = None,
         meta: WorkloadMeta = DEFAULT_META,
         now: float | None = None,
+        allocate: bool = True,
     ) -> Admission:
-        """Start a sequence: reuse its longest cached prefix and allocate pages for the rest."""
+        """Start a sequence: reuse its longest cached prefix and allocate pages for the rest.
+
+        ``allocate=False``: hold the cached prefix only (the sequence knows all its keys, and counts as
+        a lookup of all its tokens); its other pages are taken by :meth:`grow` when their bytes are
+        about to be written, so that a request waiting to run holds no page it has not written."""
         now = self.clock() if now is None else now
         pinning, eviction, sequences = self.pinning, self.eviction, self.sequences
         if pinning.due(now):
@@ -242,7 +249,7 @@ class PagePool:
         keys, n = self._keys(tokens, block_hashes, num_tokens, meta)
         ps = self.page_size
         hits = self.table.cached_prefix(keys)
-        need = -(-n // ps) - len(hits)
+        need = -(-n // ps) - len(hits) if allocate else 0
         part = 1 if meta.workload_class == TO_B and eviction.caps[1] > 0 else 0  # partition_of, inlined
         if need > 0 and not eviction.surely_obtainable(part, need, len(hits)):
             obtainable = eviction.obtainable(part, hits)
@@ -255,27 +262,90 @@ class PagePool:
         cached_tokens = min(len(hits) * ps, n)
         self.hit_tokens += cached_tokens
         self.lookup_tokens += n
-        sequences.add(SeqState(seq_id, meta, part, pages, keys, n, n, cached_tokens, len(hits), False,
-                               self.class_of(meta)))
+        held = n if allocate else len(pages) * ps  # tokens its pages hold room for
+        seq = SeqState(seq_id, meta, part, pages, keys, held, n, cached_tokens, len(hits), False,
+                       self.class_of(meta))
+        sequences.add(seq)
         for klass, reused, gap_sum in reuses:
             self._observe(self.model.observe_reuse, klass, reused, gap_sum, now)
         if self.frequencies.counting:
-            self._observe(self.frequencies.count, keys, pages, part, meta.workload_class, now)
+            before = self._observe(self.frequencies.count, keys, pages, part, meta.workload_class, now)
+            if not allocate and before is not None:
+                seq.counts = before
         if keys and pinning.autopin.enabled:
             pinning.pin_hot_prefix(keys[0], hits, meta, now)
         return Admission(seq_id, cached_tokens, pages, cross_user * ps, eviction.evictions - evictions, keys)
 
-    def _observe(self, observer: Callable[..., object], *args: object) -> None:
+    def grow(self, seq_id: str, num_tokens: int, now: float | None = None) -> list[int]:
+        """Pages for the sequence's keys up to ``num_tokens`` (whole pages) past those it holds, taken now
+        (evicting as :meth:`admit` does): as many as its partition can get, maybe none (never raises for
+        want of room: a save that finds no page is skipped). Returns the pages added, in key order."""
+        now = self.clock() if now is None else now
+        seq = self.sequences.get(seq_id)
+        if num_tokens < 0:
+            raise InvalidRequest("num_tokens must be at least 0", "num_tokens")
+        need = min(num_tokens // self.page_size, len(seq.keys)) - len(seq.pages)
+        if need <= 0:
+            return []
+        if self.pinning.due(now):
+            self.pinning.expire(now)
+        eviction = self.eviction
+        if not eviction.surely_obtainable(seq.partition, need, 0):
+            need = min(need, eviction.obtainable(seq.partition, []))
+            if need <= 0:
+                return []
+        start = len(seq.pages)
+        if self.settings.by_evidence:
+            pages = self._allocate_by_evidence(seq, need, now)
+        else:
+            pages = eviction.allocate(seq.partition, need, now)
+        if not pages:
+            return []
+        self.sequences.grow(seq, pages)
+        if seq.counts is not None and self.frequencies.counting:
+            self.frequencies.assign(pages, seq.counts[start : start + need])
+        return pages
+
+    def _allocate_by_evidence(self, seq: SeqState, need: int, now: float) -> list[int]:
+        """Up to ``need`` pages for ``seq``, one at a time, stopping before a victim that came back (a
+        request hit it since it was cached) and whose class comes back more often than ``seq``'s: a page
+        with no evidence of reuse does not evict one with it. The evidence is the reuse model's
+        probability that a released page is reused, by class: a class it has not seen yet is at the
+        prior, so nothing is refused before the classes differ. The pages it stops short of are counted
+        (``evidence_refused``)."""
+        eviction = self.eviction
+        table = self.table
+        part = seq.partition
+        params = self.model.params
+        own = params(seq.klass)[0]
+        odds: dict[Hashable, float] = {}
+        pages: list[int] = []
+        while len(pages) < need:
+            victim = eviction.next_victim(part, now)
+            if victim is not None and table.reused[victim]:
+                klass = table.klass[victim]
+                p = odds.get(klass)
+                if p is None:
+                    p = odds[klass] = params(klass)[0]
+                if p > own:
+                    self.evidence_refused += need - len(pages)
+                    break
+            pages += eviction.allocate(part, 1, now)
+        return pages
+
+    def _observe(self, observer: Callable[..., Any], *args: object) -> Any:
         """Feed an observer of pool events (the reuse model, the sketch, the tuners): it may fail, the
         call that fed it may not. A failure leaves the pool exact (its pages and sequences are recorded
-        before any observer runs); it is counted (``observer_errors``) and logged."""
+        before any observer runs); it is counted (``observer_errors``) and logged. Returns what the
+        observer returned (None when it failed)."""
         try:
-            observer(*args)
+            return observer(*args)
         except Exception:
             self.observer_errors += 1
             if self.observer_errors & (self.observer_errors - 1) == 0:  # the 1st, 2nd, 4th, 8th...
                 log.exception("an observer of the pool failed (%d so far); the pool is unaffected",
                               self.observer_errors)
+            return None
 
     def release(self, seq_id: str, now: float | None = None) -> None:
         """The sequence is done: its published pages stay cached, the rest are freed."""
@@ -331,6 +401,7 @@ class PagePool:
             sequences=len(seqs.live),
             pins=len(self.pinning.records),
             fragmentation_tokens=seqs.alloc_slots - seqs.used_slots,
+            unwritten_pages=t.total_pages - free - len(t.index),  # held, not (yet) published
             allocated_token_slots=seqs.alloc_slots,
             evictions=ev.evictions,
             hit_tokens=self.hit_tokens,

@@ -58,6 +58,7 @@ class PoolStats:
     sequences: int
     pins: int
     fragmentation_tokens: int  # token slots allocated to live sequences but not holding a token
+    unwritten_pages: int  # pages live sequences hold that are not published: their bytes not (yet) committed
     allocated_token_slots: int
     evictions: int
     hit_tokens: int
@@ -79,6 +80,7 @@ class SeqState:
     publish_blocked: bool = False
     klass: Hashable = None  # its statistics class (PagePool.class_of), computed once
     autopin: str | None = None  # its auto-pin's id: one record, grown by its chunked commits
+    counts: list[int] | None = None  # admitted with pages to come (PagePool.grow): its keys' counts then
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,7 @@ class PoolSettings:
     isolate: bool  # per-tenant keys
     shared_first: frozenset[str]  # first pages every tenant shares
     class_by: tuple[bool, bool]  # statistics classes by request type, by turn
+    by_evidence: bool  # eviction.admitByEvidence (PagePool.grow)
 
     @classmethod
     def of(cls, spec: KVCachePolicySpec, n: int) -> PoolSettings:
@@ -115,4 +118,5 @@ class PoolSettings:
             isolate=spec.tenancy.isolation == "perTenant",
             shared_first=frozenset(spec.tenancy.sharedPrefixes),
             class_by=("requestType" in spec.learning.classBy, "turn" in spec.learning.classBy),
+            by_evidence=spec.eviction.admitByEvidence,
         )

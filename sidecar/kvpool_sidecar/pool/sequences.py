@@ -116,6 +116,14 @@ class SequenceTable:
         self.used_slots += num_new_tokens
         return new
 
+    def grow(self, seq: SeqState, pages: list[int]) -> None:
+        """Pages allocated for the sequence's next keys (:meth:`~kvpool_sidecar.pool.PagePool.grow`)."""
+        seq.pages.extend(pages)
+        tokens = len(pages) * self.page_size
+        seq.num_tokens += tokens
+        self.alloc_slots += tokens
+        self.used_slots += tokens
+
     def fork(self, seq_id: str, new_seq_id: str, now: float) -> ForkResult:
         """Parallel sampling: share the full pages, copy the partial last page into a fresh one."""
         seq = self.get(seq_id)

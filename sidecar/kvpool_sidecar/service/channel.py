@@ -298,7 +298,7 @@ class EngineChannel:
         if msg.report is not None and (r := _report(msg.report)) is not None:
             sc.metrics.observe_engine_report(r.loaded_tokens, r.saved_tokens, r.lookup_seconds, r.failures,
                                           r.events)
-        if not (msg.admits or msg.commits or msg.releases or session.feed):
+        if not (msg.admits or msg.commits or msg.releases or msg.grows or session.feed):
             return wire.StepReply([], [], [])
         heavy = sum(len(a.hashes) for a in msg.admits) >= HEAVY_PAGES
         return await sc.run(self._apply, session, msg, heavy=heavy)
@@ -311,8 +311,8 @@ class EngineChannel:
         if feed is not None:
             sc.removals.flush()
             removed_before, lost = feed.take()
-        # Commits, then releases, then admissions: a request's last commit precedes its release, and an
-        # admission sees every page published and freed in the same step.
+        # Commits, then releases, then grows, then admissions: a request's last commit precedes its
+        # release, and a grow or an admission sees every page published and freed in the same step.
         commits: list[int | wire.Failed] = []
         for c in msg.commits:
             def commit(c: wire.Commit = c) -> int:
@@ -326,14 +326,20 @@ class EngineChannel:
                 sc.release(seq)
                 session.live.discard(seq)
             releases.append(_op(release))
+        grows: list[wire.Grown | wire.Failed] = []
+        for g in msg.grows:
+            def grow(g: wire.Grow = g) -> wire.Grown:
+                sc.check_owner(who, _seq_id(g.seq_id))
+                return wire.Grown(sc.with_evictions(pool.grow, g.seq_id, g.num_tokens))
+            grows.append(_op(grow))
         admits: list[wire.Admitted | wire.Failed] = []
         for adm in msg.admits:
             admits.append(_op(lambda adm=adm: self._admit(session, adm)))
         if feed is None:
-            return wire.StepReply(admits, commits, releases)
+            return wire.StepReply(admits, commits, releases, grows=grows)
         sc.removals.flush()
         removed_after, lost_after = feed.take()
-        return wire.StepReply(admits, commits, releases, removed_before, removed_after, lost or lost_after)
+        return wire.StepReply(admits, commits, releases, removed_before, removed_after, lost or lost_after, grows)
 
     def _admit(self, session: Session, adm: wire.Admit) -> wire.Admitted:
         _seq_id(adm.seq_id)
@@ -349,6 +355,9 @@ class EngineChannel:
         if adm.meta is not None and adm.meta.adapter:
             meta = _mapped(meta, sc.state.config.workloads.adapter_rule(adm.meta.adapter))
         keys = namespaced(session.ns, adm.hashes)
+        if adm.hold_only and adm.save_later:
+            raise ApiError(400, "invalid_request", "hold_only makes no sequence to grow: give at most one of "
+                           "hold_only and save_later", "save_later")
         if self.fetches.pending(session.who.session, session.model, adm, keys, meta):
             return wire.Admitted([], 0, sc.storage_epoch, session.fence, fetching=True)
         if adm.hold_only:  # a lookup: the cached prefix, held, and no page allocated (none evicted)
@@ -358,6 +367,10 @@ class EngineChannel:
             adm = msgspec.structs.replace(adm, num_tokens=len(keys) * sc.pool.page_size)
         # The channel admits only engine and admin credentials, which act for any tenant; the sequence is
         # this connection's alone.
+        if adm.save_later:  # the cached prefix held, the pages to save taken by its grows
+            result = sc.admit(adm.seq_id, None, keys, adm.num_tokens, meta, owner=session.who, allocate=False)
+            session.live.add(adm.seq_id)
+            return wire.Admitted(result.page_ids, result.num_cached_tokens, sc.storage_epoch, session.fence)
         try:
             result = sc.admit(adm.seq_id, None, keys, adm.num_tokens, meta, owner=session.who)
         except PoolExhausted as exc:

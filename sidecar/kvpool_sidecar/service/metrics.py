@@ -259,6 +259,14 @@ class _PoolCollector(Collector):
             "kvpool_fragmentation_tokens", "Token slots allocated to live sequences but unused",
             value=snap["fragmentation"],
         )
+        yield GaugeMetricFamily(
+            "kvpool_unwritten_pages", "Pages live sequences hold for bytes not yet committed (an engine's saves "
+            "in flight)", value=snap["unwritten"],
+        )
+        yield CounterMetricFamily(
+            "kvpool_evidence_refused_pages", "Pages an engine's saves did not take because the page they would "
+            "evict came back and its class comes back more often than theirs (eviction.admitByEvidence)",
+            value=snap["evidence_refused"])
         yield GaugeMetricFamily("kvpool_sequences", "Live sequences", value=snap["sequences"])
         yield CounterMetricFamily(
             "kvpool_observer_errors", "Failures of the pool's observers (reuse model, sketch, self-tuner): the "

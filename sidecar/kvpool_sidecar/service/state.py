@@ -232,10 +232,11 @@ class Sidecar(ConfigReloads, EnginePins):
         self._pins_by_owner.get(self._pin_owner.pop(pin_id, ""), set()).discard(pin_id)
 
     def admit(self, seq_id: str, tokens: list[int] | None, block_hashes: list | None, num_tokens: int | None,
-              meta: WorkloadMeta, owner: Principal = ADMIN) -> Any:
+              meta: WorkloadMeta, owner: Principal = ADMIN, allocate: bool = True) -> Any:
         before = dict(self.pool.eviction.evictions_by)
         start = time.perf_counter()
-        adm = self.pool.admit(seq_id, tokens, block_hashes=block_hashes, num_tokens=num_tokens, meta=meta)
+        adm = self.pool.admit(seq_id, tokens, block_hashes=block_hashes, num_tokens=num_tokens, meta=meta,
+                              allocate=allocate)
         elapsed = time.perf_counter() - start
         self._seq_owner[seq_id] = owner.key
         length = len(tokens) if tokens is not None else (num_tokens or len(block_hashes or ()) * self.pool.page_size)
@@ -403,6 +404,8 @@ class Sidecar(ConfigReloads, EnginePins):
             "autopins": {"pinned": self.pool.pinning.autopins, "displaced": self.pool.pinning.autopins_displaced,
                          "refused": self.pool.pinning.autopins_refused},
             "fragmentation": st.fragmentation_tokens,
+            "unwritten": st.unwritten_pages,
+            "evidence_refused": self.pool.evidence_refused,
             "sequences": st.sequences,
             "observer_errors": self.pool.observer_errors,
             "fits": fits,
@@ -422,6 +425,8 @@ class Sidecar(ConfigReloads, EnginePins):
             "sequences": st.sequences,
             "pins": st.pins,
             "fragmentation_tokens": st.fragmentation_tokens,
+            "unwritten_pages": st.unwritten_pages,
+            "evidence_refused_pages": self.pool.evidence_refused,
             "evictions": st.evictions,
             "hit_tokens": st.hit_tokens,
             "lookup_tokens": st.lookup_tokens,

@@ -1,0 +1,182 @@
+"""Pages kvpool holds for bytes not yet written, through vLLM's OpenAI server on issue 67's class mix: to-C
+prompts over shared prefixes beside a to-B flood of prompts never sent again (served with the LoRA adapter
+``tob``, which the admin's mapping puts in the to-B class), ``--clients`` clients each, a tier smaller than
+to-C's prefixes. One run per seed of the kvpool importable here (run it again with another checkout first on
+``PYTHONPATH`` to compare two versions on the same traffic).
+
+    VLLM_CPU_OMP_THREADS_BIND=0 .venv/bin/python bench/save_pages.py --seeds 7,8
+    VLLM_CPU_OMP_THREADS_BIND=0 .venv/bin/python bench/save_pages.py --policy lru --isolation 0 --evidence off
+
+``--policy``, ``--isolation`` (to-B's share, percent) and ``--evidence`` (``eviction.admitByEvidence``;
+left out of the config when not given, so that an older sidecar reads it) set the sidecar's policy; the
+admin's adapter mapping is there in every case.
+
+The sidecar's ``/v1/stats`` is sampled every ``--every`` seconds: ``unwritten_pages`` (pages live
+sequences hold that are not published: bytes not yet written, or written and not yet committed), its peak
+and its mean over the run. Figures per seed: those, the tokens the tier served (vLLM's
+``external_prefix_cache_hits``), and to-C's cached prompt tokens (vLLM's own cache and the tier, from
+``--enable-prompt-tokens-details``) against what to-C could reuse (every prompt's prefix after its first).
+Token counts are steadier than times on a shared machine; wall times are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "dev"))
+from classes import build_adapter  # noqa: E402
+from serve import BLOCK, Stack, metric  # noqa: E402
+from tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa: E402
+from tiny_model import VOCAB, build_tiny_model  # noqa: E402
+
+
+def prompts(args: argparse.Namespace, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """to-C's prompts (a shared prefix each, then a fresh suffix) and to-B's (random, never sent again)."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+    prefixes = [tokens(args.prefix_len) for _ in range(args.prefixes)]
+    toc = [rng.choice(prefixes) + tokens(args.suffix_len) for _ in range(args.prompts)]
+    tob = [tokens(args.tob_len) for _ in range(args.prompts)]
+    return toc, tob
+
+
+class Sampler:
+    """``unwritten_pages`` of the sidecar's stats, every ``every`` seconds, on a thread."""
+
+    def __init__(self, url: str, every: float) -> None:
+        self.url, self.every = url, every
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as client:
+            while not self._stop.wait(self.every):
+                try:
+                    self.samples.append(client.get(self.url + "/v1/stats").json()["unwritten_pages"])
+                except (httpx.HTTPError, KeyError, ValueError):
+                    continue
+
+    def stop(self) -> list[int]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+async def drive(url: str, args: argparse.Namespace, toc: list[list[int]], tob: list[list[int]]) -> dict:
+    cached: list[int] = []
+
+    async def one(client: httpx.AsyncClient, model: str, prompt: list[int]) -> int:
+        body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
+        r = await client.post(url + "/v1/completions", json=body)
+        r.raise_for_status()
+        return ((r.json().get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    async def clients(model: str, queue: list[list[int]], out: list[int] | None) -> None:
+        async def worker() -> None:
+            while queue:
+                got = await one(client, model, queue.pop(0))
+                if out is not None:
+                    out.append(got)
+
+        await asyncio.gather(*(worker() for _ in range(args.clients)))
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        start = time.perf_counter()
+        await asyncio.gather(clients("base", list(toc), cached), clients("tob", list(tob), None))
+        wall = time.perf_counter() - start
+    return {"toc_cached": sum(cached), "wall": wall}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", default="7,8")
+    ap.add_argument("--prompts", type=int, default=120, help="prompts of each class")
+    ap.add_argument("--prefixes", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=512)
+    ap.add_argument("--suffix-len", type=int, default=64)
+    ap.add_argument("--tob-len", type=int, default=576)
+    ap.add_argument("--output-len", type=int, default=8)
+    ap.add_argument("--clients", type=int, default=4, help="clients of each class")
+    ap.add_argument("--gpu-blocks", type=int, default=60, help="vLLM's own cache (blocks of 32 tokens)")
+    ap.add_argument("--pool-pages", type=int, default=200, help="the tier (pages of 32 tokens)")
+    ap.add_argument("--max-model-len", type=int, default=1024, help="below vLLM's own cache: a request must fit it")
+    ap.add_argument("--policy", default="", help="eviction.policy (default: the shipped one)")
+    ap.add_argument("--isolation", type=float, default=None, help="workloads.toB.isolationPercent")
+    ap.add_argument("--evidence", choices=("on", "off"), default="", help="eviction.admitByEvidence")
+    ap.add_argument("--every", type=float, default=0.02, help="seconds between two samples of the stats")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="kvpool-save-pages-"))
+    model = build_tiny_model(work / "tiny")
+    adapter = build_adapter(model, work / "adapter")
+    args.vllm_extra = ["--enable-lora", "--lora-modules", f"tob={adapter}", "--max-lora-rank", "8",
+                       "--served-model-name", "base", "--enable-prompt-tokens-details",
+                       "--max-model-len", str(args.max_model_len)]  # vLLM's last --max-model-len wins
+    args.tensor_parallel_size = 1
+    config: dict = {"pageSize": BLOCK, "workloads": {"adapters": [{"adapter": "tob", "workloadClass": "toB"}]}}
+    if args.policy:
+        config["eviction"] = {"policy": args.policy}
+    if args.evidence:
+        config.setdefault("eviction", {})["admitByEvidence"] = args.evidence == "on"
+    if args.isolation is not None:
+        config["workloads"]["toB"] = {"isolationPercent": args.isolation}
+    args.kvpool_config = json.dumps(config)
+    import kvpool_sidecar
+
+    print(f"kvpool from {Path(kvpool_sidecar.__file__).parent}")
+    print(f"config {args.kvpool_config}; vLLM's cache {args.gpu_blocks} blocks, tier "
+          f"{args.pool_pages} pages of {BLOCK}; to-C {args.prompts} prompts over {args.prefixes} prefixes of "
+          f"{args.prefix_len} (+{args.suffix_len}), to-B {args.prompts} x {args.tob_len} never sent again, "
+          f"{args.clients} clients each, {args.output_len} tokens out")
+    reusable = (args.prompts - args.prefixes) * args.prefix_len  # an upper bound: every prefix seen before
+    print("| seed | unwritten pages peak | mean | tier tokens | to-C cached tokens | share of to-C's reusable "
+          "| tokens saved | evictions | connector failures | pages refused by evidence | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for seed in (int(s) for s in args.seeds.split(",")):
+        toc, tob = prompts(args, seed)
+        sys_work = work / f"seed-{seed}"
+        sys_work.mkdir()
+        stack = Stack("kvpool", args, model, TINY_KV_SHAPE, sys_work)
+        try:
+            assert stack.sidecar_url is not None
+            before = httpx.get(stack.url + "/metrics", timeout=10).text
+            sampler = Sampler(stack.sidecar_url, args.every)
+            row = asyncio.run(drive(stack.url, args, toc, tob))
+            samples = sampler.stop()
+            after = httpx.get(stack.url + "/metrics", timeout=10).text
+            name = "vllm:external_prefix_cache_hits_total"
+            tier = metric(after, name) - metric(before, name)
+            time.sleep(1.5)  # the connector's last report
+            stats = httpx.get(stack.sidecar_url + "/v1/stats", timeout=10).json()
+            refused = stats.get("evidence_refused_pages", "-")
+            side = httpx.get(stack.sidecar_url + "/metrics", timeout=10).text
+            saved = metric(side, 'kvpool_connector_tokens_total{direction="saved"}')
+            failures = metric(side, "kvpool_connector_failures_total")
+        finally:
+            stack.close()
+        print(f"| {seed} | {max(samples, default=0)} | {statistics.fmean(samples) if samples else 0:.1f} | "
+              f"{int(tier):,} | {row['toc_cached']:,} | {row['toc_cached'] / reusable:.2f} | {int(saved):,} | "
+              f"{stats['evictions']:,} | {int(failures)} | {refused} | {row['wall']:.0f} |",
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
