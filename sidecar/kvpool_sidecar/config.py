@@ -280,7 +280,7 @@ class PreEviction(StrictModel):
 
 
 class Routing(StrictModel):
-    """How a router in front of the policy's pods sends each request to the pod holding its prefix."""
+    """How the cluster replay's simulated router (kvpool-sidecar replay --pods) sends each request to a pod."""
 
     prefixPages: int = Field(
         default=4, ge=1, le=1024, description="pages whose chained hash is a request's routing key"

@@ -24,11 +24,11 @@ from kvpool_sidecar.engines.link import Connection
 from kvpool_sidecar.keys import WorkloadMeta
 from kvpool_sidecar.peers import agent as peer_agent
 from kvpool_sidecar.peers import protocol
+from kvpool_sidecar.peers.keys import TransferKeys
 from kvpool_sidecar.peers.node import Peers, parse_peers
 from kvpool_sidecar.peers.runs import page_runs
 from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import KVStorage, ModelShape
-from kvpool_sidecar.storage.transfer import TransferKeys
 from support import CLUSTER_KEYS, free_port, socket_path
 
 PS = 4
@@ -216,6 +216,17 @@ def test_a_fetch_writes_the_sources_bytes_and_publishes_them_then_releases_the_h
 
 
 @needs_nixl
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "no key"),
+    ("k1 short", "at least 32 bytes"),
+    ("k1 " + "s" * 40 + "\nk1 " + "t" * 40, "appears twice"),
+    ("k1", "expected 'KEY_ID SECRET'"),
+])
+def test_a_bad_key_file_is_refused_naming_the_line(text, message):
+    with pytest.raises(ValueError, match=message):
+        TransferKeys.parse(text)
+
+
 def test_another_tenant_an_unknown_prompt_or_a_non_member_gets_nothing(source):
     blocks = hashes(4, "tenant-a")
     source.fill(blocks, tenant="a")

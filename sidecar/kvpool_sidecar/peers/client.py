@@ -25,10 +25,10 @@ from kvpool_sidecar.keys import WorkloadMeta
 from kvpool_sidecar.peers import protocol as p
 from kvpool_sidecar.peers.agent import DONE, PROC, PeerAgent
 from kvpool_sidecar.peers.host import PoolHost, pool_keys, wire_meta
+from kvpool_sidecar.peers.keys import TransferKeys
 from kvpool_sidecar.peers.runs import page_runs
 from kvpool_sidecar.peers.server import _read, layout_of
 from kvpool_sidecar.pool import PoolError, PoolExhausted, UnknownSequence
-from kvpool_sidecar.storage.transfer import TransferKeys
 
 log = logging.getLogger("kvpool.peers")
 HOLD_SHARE = 0.8  # of the peer's hold, the most a read may take (counted from before the fetch was sent)

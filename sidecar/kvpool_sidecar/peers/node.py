@@ -8,8 +8,8 @@ import asyncio
 from kvpool_sidecar.peers.agent import PeerAgent
 from kvpool_sidecar.peers.client import PeerClient
 from kvpool_sidecar.peers.host import PoolHost
+from kvpool_sidecar.peers.keys import TransferKeys
 from kvpool_sidecar.peers.server import PeerServer
-from kvpool_sidecar.storage.transfer import TransferKeys
 
 
 def parse_peers(text: str) -> frozenset[tuple[str, int]]:

@@ -19,8 +19,8 @@ from typing import Any
 from kvpool_sidecar.peers import protocol as p
 from kvpool_sidecar.peers.agent import PeerAgent
 from kvpool_sidecar.peers.host import PoolHost, meta_of, pool_keys
+from kvpool_sidecar.peers.keys import TransferKeys
 from kvpool_sidecar.pool import PoolError, UnknownSequence
-from kvpool_sidecar.storage.transfer import TransferKeys
 
 log = logging.getLogger("kvpool.peers")
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to prove the cluster key

@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import watchfiles
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool_sidecar.config import SidecarConfig
@@ -22,18 +21,14 @@ from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, EngineChannel
 from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.service.http import (
     ERROR_RESPONSES,
-    TRANSFER_ROLES,
-    TRANSFER_STATUS,
     BodyLimit,
     as_credentials,
     authenticate,
     background,
-    error_response,
     install_error_handlers,
 )
-from kvpool_sidecar.service.routes import config_routes, pin_routes, sequence_routes, transfer_routes
+from kvpool_sidecar.service.routes import config_routes, pin_routes, sequence_routes
 from kvpool_sidecar.service.state import Sidecar
-from kvpool_sidecar.storage import transfer
 
 log = logging.getLogger("kvpool.sidecar")
 DEFAULT_MAX_BODY_BYTES = 16 << 20  # a 2M-token prompt as JSON is about 14 MB
@@ -60,17 +55,12 @@ def create_app(
     )
 
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=lambda path: sidecar.max_body_bytes(path, max_body_bytes))
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     auth = authenticate(credentials)
     app.include_router(sequence_routes(sidecar, auth))
     app.include_router(pin_routes(sidecar, auth))
     app.include_router(config_routes(sidecar, auth))
-    app.include_router(transfer_routes(sidecar, authenticate(credentials, TRANSFER_ROLES)))
-
-    @app.exception_handler(transfer.TransferError)
-    async def _transfer_error(_: Request, exc: transfer.TransferError) -> JSONResponse:
-        return error_response(TRANSFER_STATUS.get(exc.reason, 400), exc.reason, str(exc), exc.field)
 
     @app.get("/healthz", tags=["status"])
     async def healthz() -> dict[str, str]:

@@ -74,7 +74,7 @@ class SidecarMetrics:
             registry=r,
         )
         self._define_config(r)
-        self._define_engine_and_transfer(r)
+        self._define_engine_and_peers(r)
         self._start_at_zero()
 
     def _define_config(self, r: CollectorRegistry) -> None:
@@ -98,7 +98,7 @@ class SidecarMetrics:
             "started without one)", registry=r,
         )
 
-    def _define_engine_and_transfer(self, r: CollectorRegistry) -> None:
+    def _define_engine_and_peers(self, r: CollectorRegistry) -> None:
         self.engine_sessions = Gauge(
             "kvpool_engine_sessions", "Engine sessions connected on the engine channel (scheduler side)",
             registry=r,
@@ -110,13 +110,6 @@ class SidecarMetrics:
         self.quarantined_pages = Gauge(
             "kvpool_engine_quarantined_pages", "Pages of lapsed engine sessions held out of circulation until "
             "their engine can no longer copy into or out of them (--engine-quarantine-seconds)", registry=r,
-        )
-        self.transfer_pages = Counter(
-            "kvpool_transfer_pages", "KV pages moved between sidecars (export: sent; import: written here)",
-            ["direction"], registry=r,
-        )
-        self.transfer_refused = Counter(
-            "kvpool_transfer_refused", "Page imports refused, by reason (nothing changed)", ["reason"], registry=r,
         )
         self._define_peers(r)
         self.connector_tokens = Counter(
@@ -175,8 +168,6 @@ class SidecarMetrics:
                 self.evicted_pages.labels(partition, reason)
         for result in ("applied", "unchanged", "invalid"):
             self.reloads.labels(result)
-        for direction in ("export", "import"):
-            self.transfer_pages.labels(direction)
         for direction in ("loaded", "saved"):
             self.connector_tokens.labels(direction)
         for result in ("hit", "partial", "miss", "timeout", "refused", "error", "not_member"):

@@ -11,29 +11,21 @@ from pathlib import Path
 import uvicorn
 from prometheus_client import start_http_server
 
-from kvpool_sidecar.config import POLICY_LABEL, SidecarConfig, load_config
+from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.errors import InvalidRequest
+from kvpool_sidecar.peers.keys import TransferKeys
 from kvpool_sidecar.peers.node import Peers, parse_peers
 from kvpool_sidecar.service.app import DEFAULT_MAX_BODY_BYTES, create_app
 from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, socket_in_use
 from kvpool_sidecar.service.credentials import Credentials
-from kvpool_sidecar.service.membership import (
-    KubernetesMembership,
-    MembershipSource,
-    StaticMembership,
-    default_namespace,
-    load_kube_config,
-    parse_static,
-)
 from kvpool_sidecar.service.prompts import check_prompts_fit
-from kvpool_sidecar.service.router_app import RouterService, create_router_app
 from kvpool_sidecar.service.state import (
     DEFAULT_MAX_PINS_PER_OWNER,
     DEFAULT_MAX_SEQUENCE_TOKENS,
     DEFAULT_MAX_SEQUENCES,
     Sidecar,
 )
-from kvpool_sidecar.storage import KVStorage, ModelShape, transfer
+from kvpool_sidecar.storage import KVStorage, ModelShape
 from kvpool_sidecar.storage.tensors import WritersStillActive
 
 DEFAULT_PAGES = 65_536
@@ -55,7 +47,7 @@ class ServeOptions:
     metrics_port: int | None = None
     log_level: str = "info"
     kv_shape: str | None = None  # "layers,kv_heads,head_dim[,dtype]": allocate the KV tensors too
-    transfer_key_file: str | None = None  # cluster keys that sign and verify page transfers
+    transfer_key_file: str | None = None  # the cluster keys peers prove to each other
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_sequences: int = DEFAULT_MAX_SEQUENCES
     max_sequence_tokens: int = DEFAULT_MAX_SEQUENCE_TOKENS
@@ -148,7 +140,7 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
     keys = None
     if options.transfer_key_file:
         try:
-            keys = transfer.TransferKeys.load(options.transfer_key_file)
+            keys = TransferKeys.load(options.transfer_key_file)
         except ValueError as exc:
             raise ServeError(f"--transfer-key-file: {exc}") from None
     storage = None
@@ -209,65 +201,3 @@ def serve(options: ServeOptions) -> None:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
     finally:
         sidecar.close()
-
-
-@dataclass(frozen=True)
-class RouterOptions:
-    config: str | None = None
-    pods: tuple[str, ...] = ()  # name=engine_url[,sidecar_url] items: static members, not the Kubernetes API
-    namespace: str | None = None
-    engine_port: int = 8000
-    sidecar_port: int = 8100
-    mode: str = "bounded-hash+replicas"
-    host: str = "127.0.0.1"
-    port: int = 8080
-    membership_interval: float = 5.0
-    log_level: str = "info"
-    warm_replicas: bool = False
-    sidecar_token_file: str | None = None
-    token_file: str | None = None  # bearer token required of /v1 clients (optional: routing is read-only)
-    health_path: str = "/health"  # probed on each static pod's engine URL (vLLM serves /health)
-
-
-def build_router(options: RouterOptions) -> RouterService:
-    config = load_config(options.config) if options.config else SidecarConfig()
-    source: MembershipSource
-    if options.pods:
-        try:
-            source = StaticMembership(parse_static(list(options.pods)))
-        except ValueError as exc:
-            raise ServeError(str(exc)) from None
-    else:
-        policy = config.source.name if config.source else ""
-        if not policy:
-            raise ServeError(f"--config {options.config or '(none)'} names no policy (source.name, which a config "
-                             "rendered by the operator has): the router follows the pods labelled "
-                             f"{POLICY_LABEL}: NAME of that policy; give --pod name=url items for static members")
-        namespace = options.namespace or config.source.namespace or default_namespace()
-        if not namespace:
-            raise ServeError("give --pod name=url items, or --namespace (or a config rendered by the operator) "
-                             "to follow the policy's pods through the Kubernetes API")
-        load_kube_config()
-        source = KubernetesMembership(namespace, policy, options.engine_port, options.sidecar_port)
-    token = None
-    if options.sidecar_token_file:
-        try:
-            token = Path(options.sidecar_token_file).read_text().strip()
-        except OSError as exc:
-            raise ServeError(f"--sidecar-token-file {options.sidecar_token_file}: {exc.strerror}") from None
-    return RouterService(config, source, mode=options.mode, config_path=options.config,
-                         warm_replicas=options.warm_replicas, sidecar_token=token,
-                         health_path=options.health_path if options.pods else None)
-
-
-def router_token(options: RouterOptions) -> str | None:
-    """The bearer token the router requires of /v1 clients: required, as for the API, beyond loopback."""
-    return read_token(ServeOptions(host=options.host, token_file=options.token_file))
-
-
-def serve_router(options: RouterOptions) -> None:
-    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    token = router_token(options)
-    service = build_router(options)
-    app = create_router_app(service, membership_interval=options.membership_interval, token=token)
-    uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
