@@ -96,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             kv_shape=args.kv_shape, transfer_key_file=args.transfer_key_file,
             engine_socket=None if args.engine_socket == "none" else args.engine_socket,
             engine_quarantine=args.engine_quarantine_seconds, peer_port=args.peer_port, peer_host=args.peer_host,
-            peers=args.peers,
+            peers=args.peers, peer_namespace=args.peer_namespace, peer_refresh=args.peer_refresh_seconds,
             **{k: v for k in LIMIT_FLAGS if (v := getattr(args, k)) is not None},
         )
     )
@@ -226,8 +226,14 @@ def _add_serve(sub: Any) -> None:
     srv.add_argument("--peer-port", type=_port, help="serve this pool's pages to peer sidecars on this TCP port "
                      "(NIXL reads; needs --transfer-key-file and --kv-shape; default: off)")
     srv.add_argument("--peer-host", default="0.0.0.0", help="the peer port's address (default: all)")
-    srv.add_argument("--peers", metavar="HOST:PORT,...", help="the peer sidecars this one fetches pages from "
-                     "(their --peer-port)")
+    srv.add_argument("--peers", metavar="HOST:PORT,...|kubernetes", help="the peer sidecars this one fetches "
+                     "pages from: a static list of their --peer-port, or 'kubernetes': the Running, Ready pods of "
+                     "the config's policy (source.name; labelled kvpool.dev/policy: NAME in its namespace), each "
+                     "at this sidecar's --peer-port, polled every --peer-refresh-seconds (default: none)")
+    srv.add_argument("--peer-namespace", help="--peers kubernetes: the pods' namespace where the config's source "
+                     "names none (default: the pod's own)")
+    srv.add_argument("--peer-refresh-seconds", type=_seconds, default=10.0,
+                     help="--peers kubernetes: seconds between two polls of the policy's pods (default 10)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.set_defaults(func=cmd_serve)
 

@@ -401,6 +401,28 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     assert TransferKeys.load(tmp_path / "kvpool-transfer-keys" / "keys").signing[0] == "k1"
 
 
+def test_the_example_sidecars_follow_their_policys_pods_as_peers_with_a_role_that_lists_pods():
+    """--peers kubernetes on a declared peer port, under a service account whose Role lists the pods of the
+    Deployment's namespace, and nothing more."""
+    from kvpool_sidecar.cli import build_parser
+
+    deploy = next(d for _, d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "qwen-chat")
+    namespace, pod = deploy["metadata"]["namespace"], deploy["spec"]["template"]["spec"]
+    sidecar = next(c for c in all_containers(pod) if c["name"] == "kvpool-sidecar")
+    served = build_parser().parse_args(sidecar["args"])
+    assert served.peers == "kubernetes" and served.transfer_key_file
+    assert {"name": "peers", "containerPort": served.peer_port} in sidecar["ports"]
+    account = pod["serviceAccountName"]
+    docs = [d for _, d in documents()]
+    assert any(d["kind"] == "ServiceAccount" and d["metadata"] == d["metadata"] | {"name": account,
+               "namespace": namespace} for d in docs)
+    [binding] = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["namespace"] == namespace
+                 and {"kind": "ServiceAccount", "name": account, "namespace": namespace} in d["subjects"]]
+    [role] = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == binding["roleRef"]["name"]
+              and d["metadata"]["namespace"] == namespace]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
+
+
 def pod_monitors() -> list[dict]:
     return [doc for _, doc in documents() if doc["kind"] == "PodMonitor"]
 

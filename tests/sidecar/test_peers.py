@@ -215,7 +215,6 @@ def test_a_fetch_writes_the_sources_bytes_and_publishes_them_then_releases_the_h
         assert source.metric("kvpool_peer_served_pages_total") >= 8
 
 
-@needs_nixl
 @pytest.mark.parametrize(("text", "message"), [
     ("", "no key"),
     ("k1 short", "at least 32 bytes"),
@@ -227,6 +226,7 @@ def test_a_bad_key_file_is_refused_naming_the_line(text, message):
         TransferKeys.parse(text)
 
 
+@needs_nixl
 def test_another_tenant_an_unknown_prompt_or_a_non_member_gets_nothing(source):
     blocks = hashes(4, "tenant-a")
     source.fill(blocks, tenant="a")
@@ -324,6 +324,32 @@ def test_serving_peers_needs_the_cluster_key_and_the_pools_kv():
         build_peers(ServeOptions(peers="a:1"), sidecar)
     assert build_peers(ServeOptions(), sidecar) is None
     sidecar.close()
+
+
+@needs_nixl
+def test_polled_members_replace_the_last_ones_and_a_failed_poll_keeps_them_counted():
+    polls = [frozenset({("10.0.0.2", 8200), ("10.0.0.3", 8200)}), RuntimeError("API unreachable"),
+             frozenset({("10.0.0.3", 8200)})]
+
+    def poll() -> frozenset:
+        answer = polls.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    with Reader() as reader:
+        peers = Peers(reader.sidecar, CLUSTER_KEYS, membership=poll)
+        registry = reader.sidecar.metrics.registry
+        try:
+            for members, errors in ((2, 0), (2, 1), (1, 1)):
+                reader.loop.run_until_complete(peers.refresh_members())
+                assert registry.get_sample_value("kvpool_peer_members") == members
+                assert registry.get_sample_value("kvpool_peer_membership_errors_total") == errors
+            gone = reader.loop.run_until_complete(
+                peers.client.fetch(("10.0.0.2", 8200), MODEL, hashes(2), WorkloadMeta(), 1.0))
+            assert gone.result == "not_member"  # a pod that left the policy is asked nothing
+        finally:
+            peers.agent.close()
 
 
 class Served:

@@ -148,6 +148,14 @@ class SidecarMetrics:
         self.peer_served_pages = Counter(
             "kvpool_peer_served_pages", "Pages held for peers to read (offered to their fetches)", registry=r,
         )
+        self.peer_members = Gauge(
+            "kvpool_peer_members", "Peer sidecars this one may fetch from (--peers: the static list, or the "
+            "serving pods of its policy)", registry=r,
+        )
+        self.peer_membership_errors = Counter(
+            "kvpool_peer_membership_errors", "Failed polls of the policy's pods (--peers kubernetes; the last "
+            "members were kept)", registry=r,
+        )
         self.peer_refused = Counter(
             "kvpool_peer_refused", "Peer connections and fetches this sidecar refused, by reason", ["reason"],
             registry=r,

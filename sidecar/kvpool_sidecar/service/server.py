@@ -14,10 +14,11 @@ from prometheus_client import start_http_server
 from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.errors import InvalidRequest
 from kvpool_sidecar.peers.keys import TransferKeys
-from kvpool_sidecar.peers.node import Peers, parse_peers
+from kvpool_sidecar.peers.node import REFRESH_SECONDS, Peers, parse_peers
 from kvpool_sidecar.service.app import DEFAULT_MAX_BODY_BYTES, create_app
 from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, socket_in_use
 from kvpool_sidecar.service.credentials import Credentials
+from kvpool_sidecar.service.membership import KUBERNETES, PolicyPeers, default_namespace, load_kube_config
 from kvpool_sidecar.service.prompts import check_prompts_fit
 from kvpool_sidecar.service.state import (
     DEFAULT_MAX_PINS_PER_OWNER,
@@ -56,7 +57,9 @@ class ServeOptions:
     engine_quarantine: float = DEFAULT_QUARANTINE  # seconds a lapsed engine session's pages stay out of use
     peer_port: int | None = None  # serve the pool to peer sidecars (None: off)
     peer_host: str = "0.0.0.0"
-    peers: str | None = None  # HOST:PORT,... the peer sidecars this one fetches from
+    peers: str | None = None  # HOST:PORT,... the peer sidecars this one fetches from, or "kubernetes"
+    peer_namespace: str | None = None  # --peers kubernetes: for a config whose source names no namespace
+    peer_refresh: float = REFRESH_SECONDS  # --peers kubernetes: seconds between two polls of the policy's pods
 
 
 def is_loopback(host: str) -> bool:
@@ -160,7 +163,8 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
 
 
 def build_peers(options: ServeOptions, sidecar: Sidecar) -> Peers | None:
-    """The peer server (``--peer-port``) and client (``--peers``), or None when neither is asked for."""
+    """The peer server (``--peer-port``) and client (``--peers``: a static list, or ``kubernetes``: the pods of
+    the config's policy), or None when neither is asked for."""
     if options.peer_port is None and not options.peers:
         return None
     flag = "--peer-port" if options.peer_port is not None else "--peers"
@@ -168,9 +172,21 @@ def build_peers(options: ServeOptions, sidecar: Sidecar) -> Peers | None:
         raise ServeError(f"{flag}: peers prove the cluster key to each other: give --transfer-key-file")
     if sidecar.storage is None:
         raise ServeError(f"{flag}: peers read and serve the pool's KV: give --kv-shape")
+    membership = None
+    if options.peers == KUBERNETES:
+        if options.peer_port is None:
+            raise ServeError(f"--peers {KUBERNETES}: the members serve on this sidecar's --peer-port (the same on "
+                             "every pod of a policy): give --peer-port")
+        try:
+            load_kube_config()
+        except Exception as exc:  # no in-cluster service account and no kubeconfig
+            raise ServeError(f"--peers {KUBERNETES}: no Kubernetes credentials: {exc}") from None
+        membership = PolicyPeers(lambda: sidecar.state.config.source, options.peer_port,
+                                 options.peer_namespace or default_namespace()).members
     try:
-        members = parse_peers(options.peers or "")
-        return Peers(sidecar, sidecar.transfer_keys, port=options.peer_port, bind=options.peer_host, members=members)
+        members = parse_peers(options.peers or "") if membership is None else frozenset()
+        return Peers(sidecar, sidecar.transfer_keys, port=options.peer_port, bind=options.peer_host, members=members,
+                     membership=membership, refresh_seconds=options.peer_refresh)
     except (ValueError, RuntimeError) as exc:
         raise ServeError(str(exc)) from None
 
