@@ -36,6 +36,16 @@ _capacity = _above_zero("must be above 0 (at most 1: a fraction of distinct bloc
 _seconds = _above_zero("must be a number of seconds above 0")
 
 
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be a number of seconds, 0 or more")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -97,6 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine_socket=None if args.engine_socket == "none" else args.engine_socket,
             engine_quarantine=args.engine_quarantine_seconds, peer_port=args.peer_port, peer_host=args.peer_host,
             peers=args.peers, peer_namespace=args.peer_namespace, peer_refresh=args.peer_refresh_seconds,
+            peer_warmup=args.peer_warmup_seconds,
             **{k: v for k in LIMIT_FLAGS if (v := getattr(args, k)) is not None},
         )
     )
@@ -232,6 +243,9 @@ def _add_serve(sub: Any) -> None:
                      "at this sidecar's --peer-port, polled every --peer-refresh-seconds (default: none)")
     srv.add_argument("--peer-namespace", help="--peers kubernetes: the pods' namespace where the config's source "
                      "names none (default: the pod's own)")
+    srv.add_argument("--peer-warmup-seconds", type=_non_negative_seconds, default=30.0,
+                     help="at start, fetch the policy's named prompts (pinning.prompts) from a peer that holds "
+                     "them for at most this long, /readyz answering 503 meanwhile (0: no warm-up; default 30)")
     srv.add_argument("--peer-refresh-seconds", type=_seconds, default=10.0,
                      help="--peers kubernetes: seconds between two polls of the policy's pods (default 10)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")

@@ -225,7 +225,8 @@ MAX_PROMPT_TOKENS = 65_536  # token ids of all named prompts together: a ConfigM
 class PinnedPrompt(StrictModel):
     """A prompt the pool keeps resident (a system prompt, a shared document), named by its token ids
     as the engine sees them (vLLM's ``/tokenize`` gives them, chat template included). The sidecar
-    pins its pages in the engine's key space once an engine serving ``model`` has saved them."""
+    pins its pages in the engine's key space once an engine serving ``model`` has saved them, or once it
+    fetched them from a peer sidecar at start."""
 
     name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
                       description="what status and metrics call it")

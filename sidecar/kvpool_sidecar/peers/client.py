@@ -94,6 +94,27 @@ class PeerClient:
         m.peer_fetch_seconds.observe(time.monotonic() - start)
         return result
 
+    async def schemes(self, peer: tuple[str, int], model: str, budget: float) -> list[p.Scheme]:
+        """How the engines of ``model`` at ``peer`` hash their blocks (none: the peer knows of none, is no member,
+        or failed within ``budget`` seconds)."""
+        if peer not in self.members:
+            return []
+        deadline = time.monotonic() + budget
+        try:
+            conn = await asyncio.wait_for(self._connection(peer), _left(deadline))
+            async with conn.lock:
+                conn.writer.write(p.frame(p.Schemes(model)))
+                await conn.writer.drain()
+                known = await asyncio.wait_for(_read(conn.reader, p.MAX_FRAME), _left(deadline))
+            if not isinstance(known, p.Known):
+                raise p.PeerProtocolError(f"expected the known schemes, got {type(known).__name__.lower()}")
+            p.check_known(known)
+            return known.schemes
+        except (PeerRefused, TimeoutError, OSError, asyncio.IncompleteReadError, p.PeerProtocolError) as exc:
+            log.info("peer %s:%d: no hashing schemes: %s", *peer, exc or type(exc).__name__)
+            self._drop(peer)
+            return []
+
     async def _fetch(self, peer: tuple[str, int], model: str, hashes: list[bytes], meta: WorkloadMeta,
                      deadline: float) -> FetchResult:
         pool = self.host.pool

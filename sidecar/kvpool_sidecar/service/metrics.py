@@ -156,6 +156,10 @@ class SidecarMetrics:
             "kvpool_peer_membership_errors", "Failed polls of the policy's pods (--peers kubernetes; the last "
             "members were kept)", registry=r,
         )
+        self.peer_warmups = Counter(
+            "kvpool_peer_warmups", "The policy's named prompts a starting sidecar sought from its peers, by result: "
+            "fetched (whole), partial, none (no member held them: left to the engine)", ["result"], registry=r,
+        )
         self.peer_refused = Counter(
             "kvpool_peer_refused", "Peer connections and fetches this sidecar refused, by reason", ["reason"],
             registry=r,
@@ -180,6 +184,8 @@ class SidecarMetrics:
             self.connector_tokens.labels(direction)
         for result in ("hit", "partial", "miss", "timeout", "refused", "error", "not_member"):
             self.peer_fetches.labels(result)
+        for result in ("fetched", "partial", "none"):
+            self.peer_warmups.labels(result)
         for reason in ("unauthorized", "protocol", "timeout", "too_many", "busy"):
             self.peer_refused.labels(reason)
         for operation in ("lookup", "load", "save", "save_skipped"):

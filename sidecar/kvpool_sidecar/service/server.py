@@ -26,6 +26,7 @@ from kvpool_sidecar.service.state import (
     DEFAULT_MAX_SEQUENCES,
     Sidecar,
 )
+from kvpool_sidecar.service.warmup import WARMUP_SECONDS
 from kvpool_sidecar.storage import KVStorage, ModelShape
 from kvpool_sidecar.storage.tensors import WritersStillActive
 
@@ -60,6 +61,7 @@ class ServeOptions:
     peers: str | None = None  # HOST:PORT,... the peer sidecars this one fetches from, or "kubernetes"
     peer_namespace: str | None = None  # --peers kubernetes: for a config whose source names no namespace
     peer_refresh: float = REFRESH_SECONDS  # --peers kubernetes: seconds between two polls of the policy's pods
+    peer_warmup: float = WARMUP_SECONDS  # the start-up fetch of the named prompts from peers, at most (0: none)
 
 
 def is_loopback(host: str) -> bool:
@@ -212,7 +214,7 @@ def serve(options: ServeOptions) -> None:
         start_http_server(options.metrics_port, options.metrics_host or "127.0.0.1", registry=sidecar.metrics.registry)
     app = create_app(sidecar, token=token, serve_metrics=not separate_metrics, on_shutdown=sidecar.close,
                      max_body_bytes=options.max_body_bytes, engine_socket=options.engine_socket,
-                     engine_quarantine=options.engine_quarantine, peers=peers)
+                     engine_quarantine=options.engine_quarantine, peers=peers, peer_warmup=options.peer_warmup)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
     finally:
