@@ -23,8 +23,8 @@ assert all(any(n.startswith('kvpool_sidecar/' + m) and n.endswith('.so') for n i
 FROM base AS sidecar
 ARG TORCH_SPEC="torch==2.13.0"
 COPY --from=wheel /wheels /wheels
-# With the peers extra (NIXL, about 120 MB): `serve --peer-port` / `--peers` fetch pages between replicas.
-RUN pip install "${TORCH_SPEC}" && pip install "$(ls /wheels/*.whl)[peers]" && rm -rf /root/.cache /wheels
+# [peers]: NIXL, which peer fetches read pages with (serve --peer-port, --peers).
+RUN pip install "${TORCH_SPEC}" && pip install "$(echo /wheels/*.whl)[peers]" && rm -rf /root/.cache /wheels
 USER 10001:10001
 EXPOSE 8000 9400
 ENTRYPOINT ["kvpool-sidecar"]

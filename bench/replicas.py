@@ -47,10 +47,10 @@ from kvpool_sidecar.config import SidecarConfig  # noqa: E402
 from kvpool_sidecar.engines.link import Connection  # noqa: E402
 from kvpool_sidecar.keys import WorkloadMeta  # noqa: E402
 from kvpool_sidecar.peers.host import pool_keys  # noqa: E402
+from kvpool_sidecar.peers.keys import TransferKeys  # noqa: E402
 from kvpool_sidecar.peers.node import Peers  # noqa: E402
 from kvpool_sidecar.service.state import Sidecar  # noqa: E402
 from kvpool_sidecar.storage import KVStorage, ModelShape  # noqa: E402
-from kvpool_sidecar.storage.transfer import TransferKeys  # noqa: E402
 
 MODEL = "bench@replicas"
 FETCH = "peer fetch (NIXL READ, the whole fetch path)"

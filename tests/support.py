@@ -20,15 +20,15 @@ import pytest
 import uvicorn
 from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.engines.scheduler import SchedulerSide
+from kvpool_sidecar.peers.keys import TransferKeys
 from kvpool_sidecar.peers.node import Peers
 from kvpool_sidecar.service.app import create_app
 from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import KVStorage
-from kvpool_sidecar.storage.transfer import TransferKeys
 
 # The production traces the repository ships (traces/README.md: source and licence).
 TRACES = Path(__file__).resolve().parents[1] / "traces"
-CLUSTER_KEYS = TransferKeys.parse("k1 " + "s" * 40)  # the tests' cluster key (page transfer)
+CLUSTER_KEYS = TransferKeys.parse("k1 " + "s" * 40)  # the tests' cluster key (peers prove it)
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""``kvpool-sidecar``: the command line (serve, router, replay, synth, plan, tune)."""
+"""``kvpool-sidecar``: the command line (serve, replay, synth, plan, tune)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,16 @@ def _above_zero(rule: str) -> Callable[[str], float]:
 
 _capacity = _above_zero("must be above 0 (at most 1: a fraction of distinct blocks; above: pages)")
 _seconds = _above_zero("must be a number of seconds above 0")
+
+
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError("must be a number of seconds, 0 or more")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -96,23 +106,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             kv_shape=args.kv_shape, transfer_key_file=args.transfer_key_file,
             engine_socket=None if args.engine_socket == "none" else args.engine_socket,
             engine_quarantine=args.engine_quarantine_seconds, peer_port=args.peer_port, peer_host=args.peer_host,
-            peers=args.peers,
+            peers=args.peers, peer_namespace=args.peer_namespace, peer_refresh=args.peer_refresh_seconds,
+            peer_warmup=args.peer_warmup_seconds,
             **{k: v for k in LIMIT_FLAGS if (v := getattr(args, k)) is not None},
-        )
-    )
-    return 0
-
-
-def cmd_router(args: argparse.Namespace) -> int:
-    from kvpool_sidecar.service.server import RouterOptions, serve_router
-
-    serve_router(
-        RouterOptions(
-            config=args.config, pods=tuple(args.pod or ()), namespace=args.namespace, engine_port=args.engine_port,
-            sidecar_port=args.sidecar_port,
-            mode=args.mode, host=args.host, port=args.port, membership_interval=args.membership_interval,
-            log_level=args.log_level, warm_replicas=args.warm_replicas, sidecar_token_file=args.sidecar_token_file,
-            token_file=args.token_file, health_path=args.health_path,
         )
     )
     return 0
@@ -205,7 +201,7 @@ def _tune_adaptive(trace: Trace, capacity: float, spec: KVCachePolicySpec) -> in
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool-sidecar", description="kvpool sidecar: the per-pod KV page pool")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_serve, _add_router, _add_replay, _add_synth, _add_plan, _add_tune):
+    for add in (_add_serve, _add_replay, _add_synth, _add_plan, _add_tune):
         add(sub)
     return parser
 
@@ -223,10 +219,10 @@ def _add_serve(sub: Any) -> None:
     srv.add_argument("--metrics-port", type=_port, help="serve /metrics on its own port instead of the API's")
     srv.add_argument("--kv-shape", help="allocate the KV tensors too: layers,kv_heads,head_dim[,dtype] "
                      "(shared with the engine: GET /v1/storage/handle)")
-    srv.add_argument("--transfer-key-file", help="cluster keys (lines 'KEY_ID SECRET', the signing key first) that "
-                     "sign exported pages and verify imported ones; without it page transfer is refused")
+    srv.add_argument("--transfer-key-file", help="cluster keys (lines 'KEY_ID SECRET', the one this sidecar proves "
+                     "first) that peers prove to each other (--peer-port, --peers need it)")
     srv.add_argument("--max-body-bytes", type=_positive_int,
-                     help="largest JSON request body (default 16 MiB; an import may hold the whole pool); larger: 413")
+                     help="largest JSON request body (default 16 MiB); larger: 413")
     srv.add_argument("--max-sequences", type=_positive_int,
                      help="live sequences at most (default 16,384); an admission past it: 429")
     srv.add_argument("--max-sequence-tokens", type=_positive_int,
@@ -241,34 +237,19 @@ def _add_serve(sub: Any) -> None:
     srv.add_argument("--peer-port", type=_port, help="serve this pool's pages to peer sidecars on this TCP port "
                      "(NIXL reads; needs --transfer-key-file and --kv-shape; default: off)")
     srv.add_argument("--peer-host", default="0.0.0.0", help="the peer port's address (default: all)")
-    srv.add_argument("--peers", metavar="HOST:PORT,...", help="the peer sidecars this one fetches pages from "
-                     "(their --peer-port)")
+    srv.add_argument("--peers", metavar="HOST:PORT,...|kubernetes", help="the peer sidecars this one fetches "
+                     "pages from: a static list of their --peer-port, or 'kubernetes': the Running, Ready pods of "
+                     "the config's policy (source.name; labelled kvpool.dev/policy: NAME in its namespace), each "
+                     "at this sidecar's --peer-port, polled every --peer-refresh-seconds (default: none)")
+    srv.add_argument("--peer-namespace", help="--peers kubernetes: the pods' namespace where the config's source "
+                     "names none (default: the pod's own)")
+    srv.add_argument("--peer-warmup-seconds", type=_non_negative_seconds, default=30.0,
+                     help="at start, fetch the policy's named prompts (pinning.prompts) from a peer that holds "
+                     "them for at most this long, /readyz answering 503 meanwhile (0: no warm-up; default 30)")
+    srv.add_argument("--peer-refresh-seconds", type=_seconds, default=10.0,
+                     help="--peers kubernetes: seconds between two polls of the policy's pods (default 10)")
     srv.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     srv.set_defaults(func=cmd_serve)
-
-
-def _add_router(sub: Any) -> None:
-    rtr = sub.add_parser("router", help="route requests to the pod holding their prefix (bounded-load hashing)")
-    rtr.add_argument("--config", help="policy spec / sidecar config YAML (routing, pageSize, tenancy; the operator's "
-                     "rendering names its policy); watched and hot-reloaded")
-    rtr.add_argument("--pod", action="append", metavar="NAME=ENGINE_URL[,SIDECAR_URL]",
-                     help="a static member (repeatable); without it the router follows the pods labelled "
-                     "kvpool.dev/policy: NAME of the config's policy through the Kubernetes API")
-    rtr.add_argument("--namespace", help="namespace of the pods (default: the config's source, or the router's own)")
-    rtr.add_argument("--engine-port", type=_port, default=8000, help="inference engine port on each pod")
-    rtr.add_argument("--sidecar-port", type=_port, default=8100, help="kvpool sidecar API port on each pod")
-    rtr.add_argument("--mode", choices=ROUTING_MODES, default="bounded-hash+replicas")
-    rtr.add_argument("--host", default="127.0.0.1", help="beyond localhost needs --token-file")
-    rtr.add_argument("--port", type=_port, default=8080)
-    rtr.add_argument("--membership-interval", type=_seconds, default=5.0, help="seconds between membership polls")
-    rtr.add_argument("--warm-replicas", action="store_true",
-                     help="copy a hot prefix's pages from its owner to a replica the first time it lands there")
-    rtr.add_argument("--sidecar-token-file", help="bearer token of the sidecars' API (for --warm-replicas)")
-    rtr.add_argument("--token-file", help="require this bearer token of /v1 clients (probes and /metrics stay open)")
-    rtr.add_argument("--health-path", default="/health",
-                     help="with --pod: each membership poll probes ENGINE_URL + this; a pod that fails is off the ring")
-    rtr.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
-    rtr.set_defaults(func=cmd_router)
 
 
 def _add_replay(sub: Any) -> None:

@@ -8,8 +8,6 @@ from typing import Any
 
 import httpx
 
-TRANSFER_CONTENT_TYPE = "application/vnd.kvpool.pages"  # kvpool_sidecar.storage.transfer.CONTENT_TYPE
-
 
 class SidecarError(Exception):
     """An error answer: ``status``, ``error`` (a name), ``detail`` and the ``field`` at fault."""
@@ -126,19 +124,6 @@ class SidecarClient:
 
     def unpin(self, pin_id: str) -> None:
         self._call("DELETE", f"/v1/pins/{pin_id}")
-
-    def export_pages(self, tokens: Sequence[int] | None = None, *, block_hashes: Sequence[int | str] | None = None,
-                     num_tokens: int | None = None, meta: dict[str, Any] | None = None) -> bytes:
-        """The prompt's cached leading pages with their KV, as a payload for :meth:`import_pages`."""
-        response = self._http.post("/v1/transfer/export", json=self._prompt(tokens, block_hashes, num_tokens, meta))
-        self._raise_for(response)
-        return response.content
-
-    def import_pages(self, payload: bytes) -> dict[str, int]:
-        response = self._http.post("/v1/transfer/import", content=payload,
-                                   headers={"content-type": TRANSFER_CONTENT_TYPE})
-        self._raise_for(response)
-        return response.json()
 
     def stats(self) -> dict[str, Any]:
         return self._call("GET", "/v1/stats")

@@ -228,7 +228,8 @@ MAX_PROMPT_TOKENS = 65_536  # token ids of all named prompts together: a ConfigM
 class PinnedPrompt(StrictModel):
     """A prompt the pool keeps resident (a system prompt, a shared document), named by its token ids
     as the engine sees them (vLLM's ``/tokenize`` gives them, chat template included). The sidecar
-    pins its pages in the engine's key space once an engine serving ``model`` has saved them."""
+    pins its pages in the engine's key space once an engine serving ``model`` has saved them, or once it
+    fetched them from a peer sidecar at start."""
 
     name: str = Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
                       description="what status and metrics call it")
@@ -283,7 +284,7 @@ class PreEviction(StrictModel):
 
 
 class Routing(StrictModel):
-    """How a router in front of the policy's pods sends each request to the pod holding its prefix."""
+    """How the cluster replay's simulated router (kvpool-sidecar replay --pods) sends each request to a pod."""
 
     prefixPages: int = Field(
         default=4, ge=1, le=1024, description="pages whose chained hash is a request's routing key"

@@ -1,6 +1,6 @@
 """What a request is and how its pages are named: workload metadata, statistics classes, page keys.
 
-Below the pool, the router and the replay alike: each derives the same keys from the same prompt.
+The pool, the replay and its simulated router alike: each derives the same keys from the same prompt.
 A page's key covers its whole prefix (I3): key_i = H(key_{i-1} || tokens of page i), the first page
 salted by its tenant unless the prefix is declared shared.
 """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 
-PREFIX_RATE_WINDOW = 10.0  # seconds over which a prefix's QPS is measured (auto-pin, the router's hot prefixes)
+PREFIX_RATE_WINDOW = 10.0  # seconds over which a prefix's QPS is measured (auto-pin, the replay's hot prefixes)
 
 
 class DecayedCounter:

@@ -12,7 +12,7 @@ API_GROUP = "kvpool.dev"
 API_VERSION = "v1alpha1"
 KIND = "KVCachePolicy"
 # The one binding of a pod to a policy: the pod label ``kvpool.dev/policy: NAME``. The policy's ConfigMap
-# (kvpool-NAME) is what that pod's sidecar mounts; the operator counts, and a router follows, the pods of
+# (kvpool-NAME) is what that pod's sidecar mounts; the operator counts, and peer sidecars fetch from, the pods of
 # the policy's namespace with this label (docs/upgrades.md, "Which config a pod gets").
 POLICY_LABEL = f"{API_GROUP}/policy"
 

@@ -16,9 +16,7 @@ import pytest
 import yaml
 from kvpool_sidecar.client import SidecarClient
 from kvpool_sidecar.config import SidecarConfig
-from kvpool_sidecar.service.membership import Endpoint, StaticMembership
-from kvpool_sidecar.service.router_app import RouterService, create_router_app
-from support import live_app, live_sidecar
+from support import live_sidecar
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
@@ -96,9 +94,8 @@ def test_rbac_is_least_privilege():
     assert all(b["roleRef"]["name"] != "cluster-admin" for b in bindings)
 
 
-@pytest.mark.parametrize("name", ["kvpool-operator", "kvpool-router"])
-def test_operator_and_router_deployments_are_hardened(name: str):
-    deploy = next(d for _, d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
+def test_the_operator_deployment_is_hardened():
+    deploy = next(d for _, d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvpool-operator")
     pod = deploy["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -126,7 +123,7 @@ def test_promtool_accepts_the_alert_rules(tmp_path):
     rules.write_text(yaml.safe_dump(rule_groups()))
     proc = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert len(alerts()) == 15
+    assert len(alerts()) == 14
     headings = {re.sub(r"[^a-z0-9 -]", "", line[3:].lower()).replace(" ", "-")
                 for line in (ROOT / "docs" / "troubleshooting.md").read_text().splitlines() if line.startswith("## ")}
     for alert in alerts():  # every runbook link lands on a section; the prose is the description
@@ -165,10 +162,6 @@ def exported_metric_names() -> set[str]:
             c.commit(f"s{i}", 9)
             c.release(f"s{i}")
         text = c.metrics()
-    service = RouterService(SidecarConfig(), StaticMembership({"p": Endpoint("http://p:8000", "http://p:8100")}))
-    with live_app(create_router_app(service)) as url:
-        httpx.post(url + "/v1/route", json={"tokens": list(range(64))})
-        text += httpx.get(url + "/metrics").text
     return sample_names(text) | operator_metric_names()
 
 
@@ -190,7 +183,7 @@ def operator_metric_names() -> set[str]:
 
 
 def test_dashboard_and_rules_query_only_exported_metrics():
-    """Every metric a panel or a rule queries is one the sidecar, the router or the operator exports, and
+    """Every metric a panel or a rule queries is one the sidecar or the operator exports, and
     every job a rule names is one the PodMonitors scrape."""
     dashboard = json.loads((MANIFESTS / "monitoring" / "dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
@@ -201,8 +194,8 @@ def test_dashboard_and_rules_query_only_exported_metrics():
     exported = exported_metric_names()
     missing = {m for m in used if m not in exported and m not in recorded}
     assert not missing, f"queried but not exported: {sorted(missing)}"
-    assert {"kvpool_hit_tokens_total", "kvpool_reuse_decay_per_minute", "kvpool_pages", "kvpool_router_pods",
-            "kvpool_router_decisions_total", "kvpool_config_reloads_total", "kvpool_operator_policy_target_pods",
+    assert {"kvpool_hit_tokens_total", "kvpool_reuse_decay_per_minute", "kvpool_pages",
+            "kvpool_config_reloads_total", "kvpool_operator_policy_target_pods",
             "kvpool_operator_policy_synced_pods", "kvpool_operator_reconcile_errors_total"} <= used
     jobs = {job for e in exprs for job in re.findall(r'\bjob="([^"]+)"', e)}
     assert jobs == {"kvpool-sidecar", "kvpool-operator"} and jobs <= set(scraped_containers().values())
@@ -293,9 +286,9 @@ def test_container_args_are_flags_the_cli_accepts():
         for container in all_containers(doc["spec"]["template"]["spec"]):
             if "kvpool-sidecar" in container["image"]:
                 args = build_parser().parse_args(container["args"])  # exits (SystemExit) on an unknown flag
-                assert args.command in ("serve", "router")
+                assert args.command == "serve"
                 checked += 1
-    assert checked == 2  # the inference pod's sidecar and the router
+    assert checked == 1  # the inference pod's sidecar
 
 
 def test_the_engine_is_wired_to_its_sidecar():
@@ -365,37 +358,33 @@ def secret_behind(pod: dict, container: dict, path: str) -> tuple[str, str]:
 
 
 def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
-    """The sidecar's API, beyond loopback, needs tokens; the engine presents the `engine` one, the router
-    the `router` one (page transfer only) from the same Secret; transfers are signed. The Secrets made by
+    """The sidecar's API, beyond loopback, needs tokens; the engine presents the `engine` one from the same
+    Secret; peers prove the cluster key. The Secrets made by
     the commands in inference.yaml's header are files the CLI accepts, with the roles each reader needs."""
     from kvpool_sidecar.cli import build_parser
     from kvpool_sidecar.engines.settings import parse_tier_settings
+    from kvpool_sidecar.peers.keys import TransferKeys
     from kvpool_sidecar.service.credentials import Credentials
-    from kvpool_sidecar.storage.transfer import TransferKeys
 
     deployments = {doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
                    for _, doc in documents() if doc["kind"] == "Deployment"}
-    pod, router_pod = deployments["qwen-chat"], deployments["kvpool-router"]
+    pod = deployments["qwen-chat"]
     engine = next(c for c in all_containers(pod) if c["name"] == "vllm")
     sidecar = next(c for c in all_containers(pod) if c["name"] == "kvpool-sidecar")
-    router = router_pod["containers"][0]
     served = build_parser().parse_args(sidecar["args"])
-    routed = build_parser().parse_args(router["args"])
     transfer = json.loads(engine["args"][engine["args"].index("--kv-transfer-config") + 1])
     [tier] = transfer["kv_connector_extra_config"]["secondary_tiers"]
     tier = {k: v for k, v in tier.items() if k not in ("type", "module_path")}
     settings = parse_tier_settings(tier | {"token_file": None}, "tier")
     assert settings.socket.startswith("/run/kvpool/")  # the engine talks to its sidecar on a pod-local socket
-    assert served.host == "0.0.0.0" and served.token_file and served.transfer_key_file and routed.warm_replicas
+    assert served.host == "0.0.0.0" and served.token_file and served.transfer_key_file
     wired = {
         "sidecar tokens": secret_behind(pod, sidecar, served.token_file),
         "engine token": secret_behind(pod, engine, tier["token_file"]),
-        "router's sidecar token": secret_behind(router_pod, router, routed.sidecar_token_file),
         "transfer keys": secret_behind(pod, sidecar, served.transfer_key_file),
     }
     assert wired == {"sidecar tokens": ("kvpool-sidecar-tokens", "tokens"),
                      "engine token": ("kvpool-sidecar-tokens", "engine"),
-                     "router's sidecar token": ("kvpool-sidecar-tokens", "router"),
                      "transfer keys": ("kvpool-transfer-keys", "keys")}
     # Run the header's commands with kubectl replaced by writing each literal to a file.
     header = [line.removeprefix("#").strip() for line in (MANIFESTS / "examples" / "inference.yaml").read_text()
@@ -409,9 +398,29 @@ def test_the_secrets_are_wired_as_the_threat_model_says(tmp_path):
     credentials = Credentials.parse((tmp_path / "kvpool-sidecar-tokens" / "tokens").read_text())
     engine_token = (tmp_path / "kvpool-sidecar-tokens" / "engine").read_text()
     assert credentials.who(engine_token).role == "engine"  # the engine channel and mapping the pool
-    router_token = (tmp_path / "kvpool-sidecar-tokens" / "router").read_text()
-    assert credentials.who(router_token).role == "router"  # page transfer, nothing else
     assert TransferKeys.load(tmp_path / "kvpool-transfer-keys" / "keys").signing[0] == "k1"
+
+
+def test_the_example_sidecars_follow_their_policys_pods_as_peers_with_a_role_that_lists_pods():
+    """--peers kubernetes on a declared peer port, under a service account whose Role lists the pods of the
+    Deployment's namespace, and nothing more."""
+    from kvpool_sidecar.cli import build_parser
+
+    deploy = next(d for _, d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "qwen-chat")
+    namespace, pod = deploy["metadata"]["namespace"], deploy["spec"]["template"]["spec"]
+    sidecar = next(c for c in all_containers(pod) if c["name"] == "kvpool-sidecar")
+    served = build_parser().parse_args(sidecar["args"])
+    assert served.peers == "kubernetes" and served.transfer_key_file
+    assert {"name": "peers", "containerPort": served.peer_port} in sidecar["ports"]
+    account = pod["serviceAccountName"]
+    docs = [d for _, d in documents()]
+    assert any(d["kind"] == "ServiceAccount" and d["metadata"] == d["metadata"] | {"name": account,
+               "namespace": namespace} for d in docs)
+    [binding] = [d for d in docs if d["kind"] == "RoleBinding" and d["metadata"]["namespace"] == namespace
+                 and {"kind": "ServiceAccount", "name": account, "namespace": namespace} in d["subjects"]]
+    [role] = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == binding["roleRef"]["name"]
+              and d["metadata"]["namespace"] == namespace]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}]
 
 
 def pod_monitors() -> list[dict]:
@@ -448,15 +457,14 @@ def scraped_containers() -> dict[tuple[str, str], str]:
 
 def test_the_pod_monitor_scrapes_every_kvpool_container():
     """The PodMonitors (custom resources, skipped by the schema check above) select kvpool's own label,
-    not any pod with an `app` label: each kvpool container (the inference pod's sidecar, the router, the
-    operator) is scraped under its own job, on a named port where it serves /metrics beyond loopback,
+    not any pod with an `app` label: each kvpool container (the inference pod's sidecar, the operator) is
+    scraped under its own job, on a named port where it serves /metrics beyond loopback,
     and nothing else is: not the Inference Extension's picker, whose port is also named `metrics`."""
     from kvpool_operator.cli import build_parser as operator_parser
     from kvpool_sidecar.cli import build_parser
     from kvpool_sidecar.config import LabelSelector
 
     assert scraped_containers() == {("qwen-chat", "kvpool-sidecar"): "kvpool-sidecar",
-                                    ("kvpool-router", "router"): "kvpool-router",
                                     ("kvpool-operator", "operator"): "kvpool-operator"}
     for monitor in pod_monitors():
         selector = LabelSelector.model_validate(monitor["spec"]["selector"])
@@ -474,8 +482,7 @@ def test_the_pod_monitor_scrapes_every_kvpool_container():
             host, port = args.metrics_host, args.metrics_port
         else:
             args = build_parser().parse_args(container["args"])
-            host, port = ((args.metrics_host, args.metrics_port) if args.command == "serve"
-                          else (args.host, args.port))
+            host, port = args.metrics_host, args.metrics_port
         named = {p["containerPort"]: p["name"] for p in container["ports"]}
         assert host == "0.0.0.0" and endpoints[named[port]]["path"] == "/metrics", (deployment, host, port)
 

@@ -553,27 +553,6 @@ def test_settings_errors_name_the_field():
     assert parse_settings(None).trust_request_params is False
 
 
-def test_token_keyed_exports_from_an_engine_fed_pool_say_why_they_find_nothing():
-    """The router's warm-ups export by tokens; a vLLM-fed pool is keyed by the engine's block hashes."""
-    from kvpool_sidecar.client import SidecarClient, SidecarError
-    from kvpool_sidecar.storage import transfer
-
-    path = socket_path()
-    keys = transfer.TransferKeys.parse("k1 " + "s" * 40)
-    with live_sidecar(CONFIG, pages=16, storage=KVStorage(SHAPE, PS, pages=16, shared=True), engine_socket=path,
-                      transfer_keys=keys) as (url, _), SidecarClient(url) as client:
-        with pytest.raises(SidecarError) as before:
-            client.export_pages(list(range(8)))
-        assert "engine's connector" not in before.value.detail
-        link = SidecarLink(path, hello())
-        side = LongSteps(link, PS, session="s", lookup_wait=0.5)
-        wait_for(side, "r", hashes(2), 9, 0, None)
-        with pytest.raises(SidecarError) as after:
-            client.export_pages(list(range(8)))
-        assert after.value.status == 404 and "keyed by the engine's block hashes" in after.value.detail
-        link.close()
-
-
 def test_a_second_sidecar_refuses_a_live_engine_socket_and_takes_over_a_stale_one(tmp_path):
     import subprocess
     import sys

@@ -21,8 +21,8 @@ from kvpool_sidecar.storage import KVStorage
 from support import LongSteps, free_port, live_sidecar, socket_path
 from test_engine_connector import CONFIG, PS, SHAPE, done, hashes, hello, save_whole, settle, wait_for
 
-ENGINE, ADMIN, ROUTER = "e" * 24, "a" * 24, "r" * 24
-CREDS = Credentials.parse(f"engine {ENGINE}\nadmin {ADMIN}\nrouter {ROUTER}")
+ENGINE, ADMIN = "e" * 24, "a" * 24
+CREDS = Credentials.parse(f"engine {ENGINE}\nadmin {ADMIN}")
 
 
 def until(check, what: str, timeout: float = 10.0) -> None:
@@ -120,8 +120,8 @@ def test_a_sequence_belongs_to_the_connection_that_admitted_it():
         b.link.release(seq, b.link.generation)
         until(lambda: b.link.round_trips >= 2, "B's release reached the sidecar")
         assert seq in sidecar.pool.sequences.live
-        # HTTP callers, admin included, cannot commit, release or fork it; the router cannot even ask.
-        for token, status in ((ADMIN, 404), (ENGINE, 404), (ROUTER, 403)):
+        # HTTP callers, admin included, cannot commit, release or fork it.
+        for token, status in ((ADMIN, 404), (ENGINE, 404)):
             auth = {"authorization": f"Bearer {token}"}
             assert httpx.post(f"{url}/v1/sequences/{seq}/commit", json={"num_computed_tokens": 12},
                               headers=auth).status_code == status
@@ -179,23 +179,6 @@ def test_a_hello_cannot_take_over_a_connected_session_but_may_once_it_is_gone():
         assert wait_for(again, "r", hashes(3, "n"), 13, 0, None) == 0
         assert sample(sidecar, "kvpool_engine_sessions") == 1
         again.link.close()
-
-
-def test_the_router_credential_moves_signed_pages_and_nothing_else():
-    path, live = channel()
-    with live as (url, _):
-        auth = {"authorization": f"Bearer {ROUTER}"}
-        for method, route, body in (("POST", "/v1/sequences", {"seq_id": "x", "tokens": [1, 2, 3, 4]}),
-                                    ("POST", "/v1/pins", {"tokens": [1, 2, 3, 4]}),
-                                    ("POST", "/v1/lookup", {"tokens": [1, 2, 3, 4]}),
-                                    ("GET", "/v1/storage/handle", None), ("GET", "/v1/stats", None)):
-            r = httpx.request(method, url + route, json=body, headers=auth)
-            assert (r.status_code, r.json()["error"]) == (403, "forbidden"), route
-        # Export is the router's business: refused only because this sidecar has no cluster key.
-        r = httpx.post(url + "/v1/transfer/export", json={"tokens": [1, 2, 3, 4]}, headers=auth)
-        assert r.status_code == 503 and r.json()["error"] == "no_transfer_key"
-        with pytest.raises(Refused, match="unauthorized"):
-            fetch_welcome(path, hello(token=ROUTER), 5)
 
 
 def test_a_prompt_longer_than_one_admission_admits_its_first_blocks_and_costs_no_other_request():

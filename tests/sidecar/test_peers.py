@@ -24,11 +24,12 @@ from kvpool_sidecar.engines.link import Connection
 from kvpool_sidecar.keys import WorkloadMeta
 from kvpool_sidecar.peers import agent as peer_agent
 from kvpool_sidecar.peers import protocol
+from kvpool_sidecar.peers.host import pool_keys
+from kvpool_sidecar.peers.keys import TransferKeys
 from kvpool_sidecar.peers.node import Peers, parse_peers
 from kvpool_sidecar.peers.runs import page_runs
 from kvpool_sidecar.service.state import Sidecar
 from kvpool_sidecar.storage import KVStorage, ModelShape
-from kvpool_sidecar.storage.transfer import TransferKeys
 from support import CLUSTER_KEYS, free_port, socket_path
 
 PS = 4
@@ -46,9 +47,10 @@ def hashes(n: int, tag: str = "p") -> list[bytes]:
 class Source:
     """A real sidecar process serving its pool to peers on 127.0.0.1."""
 
-    def __init__(self, folder: Path, keys: TransferKeys = CLUSTER_KEYS) -> None:
+    def __init__(self, folder: Path, keys: TransferKeys = CLUSTER_KEYS, pinning: str = "autoPin: {enabled: false}",
+                 extra: tuple[str, ...] = ()) -> None:
         config = folder / "config.yaml"
-        config.write_text(f"pageSize: {PS}\neviction: {{policy: lru}}\npinning: {{autoPin: {{enabled: false}}}}\n")
+        config.write_text(f"pageSize: {PS}\neviction: {{policy: lru}}\npinning: {{{pinning}}}\n")
         keyfile = folder / "keys"
         keyfile.write_text("".join(f"{kid} {secret.decode()}\n" for kid, secret in keys.keys))
         self.port, self.peer_port, self.socket = free_port(), free_port(), socket_path()
@@ -57,7 +59,7 @@ class Source:
             [str(Path(sys.executable).with_name("kvpool-sidecar")), "serve", "--port", str(self.port), "--pages",
              "32", "--kv-shape", shape, "--config", str(config), "--engine-socket", self.socket,
              "--engine-quarantine-seconds", "0.1", "--transfer-key-file", str(keyfile), "--peer-port",
-             str(self.peer_port), "--peer-host", "127.0.0.1", "--log-level", "warning"],
+             str(self.peer_port), "--peer-host", "127.0.0.1", "--log-level", "warning", *extra],
             stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 20
         while not self.healthy():
@@ -75,9 +77,9 @@ class Source:
     def address(self) -> tuple[str, int]:
         return ("127.0.0.1", self.peer_port)
 
-    def fill(self, blocks: list[bytes], tenant: str = "default") -> torch.Tensor:
+    def fill(self, blocks: list[bytes], tenant: str = "default", hashing: wire.Hashing | None = None) -> torch.Tensor:
         """The blocks saved and committed as an engine would (random KV); returns their pages' bytes."""
-        conn = Connection(self.socket, wire.Hello(wire.PROTOCOL, "scheduler", "filler", MODEL), 2.0)
+        conn = Connection(self.socket, wire.Hello(wire.PROTOCOL, "scheduler", "filler", MODEL, hashing=hashing), 2.0)
         attached = KVStorage.attach(conn.welcome.storage)
         try:
             meta = wire.Meta(tenant=tenant)
@@ -230,6 +232,17 @@ def test_a_fetch_writes_the_sources_bytes_and_publishes_them_then_releases_the_h
         assert source.metric("kvpool_peer_served_pages_total") >= 8
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "no key"),
+    ("k1 short", "at least 32 bytes"),
+    ("k1 " + "s" * 40 + "\nk1 " + "t" * 40, "appears twice"),
+    ("k1", "expected 'KEY_ID SECRET'"),
+])
+def test_a_bad_key_file_is_refused_naming_the_line(text, message):
+    with pytest.raises(ValueError, match=message):
+        TransferKeys.parse(text)
+
+
 @needs_nixl
 def test_another_tenant_an_unknown_prompt_or_a_non_member_gets_nothing(source):
     blocks = hashes(4, "tenant-a")
@@ -311,6 +324,46 @@ def test_a_source_stopped_mid_read_still_holds_its_pages_so_what_is_published_is
     source.idle()
 
 
+@needs_nixl
+def test_a_new_sidecar_holds_the_policys_named_prompt_with_its_peers_bytes_before_any_engine_connects(source):
+    """Sidecar A (a process) holds a named prompt its engine computed; sidecar B (this process, its engine not
+    started) fetches it at start, /readyz waiting for that, and pins it: A's bytes, before any engine asks."""
+    from kvpool_sidecar.keys import engine_block_hashes
+    from kvpool_sidecar.service.app import create_app
+    from support import live_app
+
+    seed = "PYTHONHASHSEED-of-the-policy"
+    tokens, missing = list(range(1000, 1000 + 4 * PS + 2)), list(range(5000, 5000 + 4 * PS))
+    blocks = engine_block_hashes(tokens, PS, "sha256", seed)
+    probe = engine_block_hashes(list(range(PS)), PS, "sha256", seed)[0]
+    kv = source.fill(blocks, hashing=wire.Hashing("sha256", seed, probe))  # A's engine computed the prompt
+    config = SidecarConfig.model_validate(CONFIG | {"pinning": {"autoPin": {"enabled": False}, "prompts": [
+        {"name": "doc", "model": "m", "tokens": tokens},
+        {"name": "nobody-has-it", "model": "m", "tokens": missing}]}})
+    storage = KVStorage(SHAPE, PS, pages=32, shared=True)
+    sidecar = Sidecar(config, 32, storage=storage, transfer_keys=CLUSTER_KEYS)
+    peers = Peers(sidecar, CLUSTER_KEYS, members=frozenset({source.address}))
+    try:
+        with live_app(create_app(sidecar, pre_evict_interval=0, peers=peers, peer_warmup=10)) as url:
+            deadline = time.monotonic() + 10
+            while (ready := httpx.get(url + "/readyz", timeout=2)).status_code != 200:
+                assert (ready.status_code, ready.json()["error"]) == (503, "warming_up")
+                assert time.monotonic() < deadline, "the new sidecar never became ready"
+                time.sleep(0.02)
+            registry = sidecar.metrics.registry
+            assert registry.get_sample_value("kvpool_engine_sessions") == 0  # no engine has connected
+            assert registry.get_sample_value("kvpool_peer_warmups_total", {"result": "fetched"}) == 1
+            assert registry.get_sample_value("kvpool_peer_warmups_total", {"result": "none"}) == 1  # the engine's
+            views = {v["name"]: v for v in httpx.get(url + "/v1/config", timeout=5).json()["prompts"]}
+            assert (views["doc"]["pinned"], views["nobody-has-it"]["pinned"]) == (4, 0)  # held, pinned
+            _, pages = sidecar.pool.cached_prefix(block_hashes=pool_keys(MODEL, blocks), meta=WorkloadMeta())
+            assert torch.equal(storage.kv[pages], kv)  # A's bytes
+    finally:  # the app's end closed the peers' client and agent
+        sidecar.close()
+        storage.close()
+    source.idle()
+
+
 def test_nixl_missing_is_named_with_the_extra_that_brings_it(monkeypatch):
     monkeypatch.setattr(peer_agent, "nixl_api", lambda: None)
     with pytest.raises(peer_agent.NixlMissing, match=r"kvpool\[peers\]"):
@@ -328,6 +381,32 @@ def test_serving_peers_needs_the_cluster_key_and_the_pools_kv():
         build_peers(ServeOptions(peers="a:1"), sidecar)
     assert build_peers(ServeOptions(), sidecar) is None
     sidecar.close()
+
+
+@needs_nixl
+def test_polled_members_replace_the_last_ones_and_a_failed_poll_keeps_them_counted():
+    polls = [frozenset({("10.0.0.2", 8200), ("10.0.0.3", 8200)}), RuntimeError("API unreachable"),
+             frozenset({("10.0.0.3", 8200)})]
+
+    def poll() -> frozenset:
+        answer = polls.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    with Reader() as reader:
+        peers = Peers(reader.sidecar, CLUSTER_KEYS, membership=poll)
+        registry = reader.sidecar.metrics.registry
+        try:
+            for members, errors in ((2, 0), (2, 1), (1, 1)):
+                reader.loop.run_until_complete(peers.refresh_members())
+                assert registry.get_sample_value("kvpool_peer_members") == members
+                assert registry.get_sample_value("kvpool_peer_membership_errors_total") == errors
+            gone = reader.loop.run_until_complete(
+                peers.client.fetch(("10.0.0.2", 8200), MODEL, hashes(2), WorkloadMeta(), 1.0))
+            assert gone.result == "not_member"  # a pod that left the policy is asked nothing
+        finally:
+            peers.agent.close()
 
 
 class Served:

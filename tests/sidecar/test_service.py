@@ -150,6 +150,10 @@ def test_serve_refuses_to_expose_the_api_without_a_token(tmp_path):
     assert credentials is not None and sidecar.pool.total_pages == 64
     assert str(credentials.who("a-long-enough-token-value")) == "admin"  # one bare token: the admin
     sidecar.close()
+    # The retired router's role is refused naming the line, not taken as some other role.
+    short.write_text("admin a-long-enough-token-value\nrouter r-long-enough-token-value\n")
+    with pytest.raises(ServeError, match="line 2: role 'router' is not admin, engine or tenant:NAME"):
+        build(ServeOptions(host="0.0.0.0", token_file=str(short)))
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool_sidecar.cli", "serve", "--host", "0.0.0.0", "--port", "1"],
         capture_output=True, text=True, timeout=60,
@@ -270,17 +274,6 @@ def test_an_oversized_body_is_refused_before_it_is_read_and_changes_nothing():
         assert "--max-sequences" in err.value.detail
         assert c.stats()["sequences"] == 3 and httpx.get(url + "/healthz").status_code == 200
     sidecar.pool.check_invariants()
-
-
-def test_the_router_refuses_a_wider_bind_without_a_token(tmp_path):
-    from kvpool_sidecar.service.server import RouterOptions, router_token
-
-    assert RouterOptions().host == "127.0.0.1" and router_token(RouterOptions()) is None
-    with pytest.raises(ServeError, match="--token-file"):
-        router_token(RouterOptions(host="0.0.0.0"))
-    token = tmp_path / "token"
-    token.write_text("a-long-enough-token-value\n")
-    assert router_token(RouterOptions(host="0.0.0.0", token_file=str(token))) == "a-long-enough-token-value"
 
 
 TOKENS = """# role token

@@ -25,10 +25,10 @@ from kvpool_sidecar.keys import WorkloadMeta
 from kvpool_sidecar.peers import protocol as p
 from kvpool_sidecar.peers.agent import DONE, PROC, PeerAgent
 from kvpool_sidecar.peers.host import PoolHost, pool_keys, wire_meta
+from kvpool_sidecar.peers.keys import TransferKeys
 from kvpool_sidecar.peers.runs import page_runs
 from kvpool_sidecar.peers.server import _read, layout_of
 from kvpool_sidecar.pool import PoolError, PoolExhausted, UnknownSequence
-from kvpool_sidecar.storage.transfer import TransferKeys
 
 log = logging.getLogger("kvpool.peers")
 HOLD_SHARE = 0.8  # of the peer's hold, the most a read may take (counted from before the fetch was sent)
@@ -93,6 +93,27 @@ class PeerClient:
         m.peer_fetch_bytes.inc(result.nbytes)
         m.peer_fetch_seconds.observe(time.monotonic() - start)
         return result
+
+    async def schemes(self, peer: tuple[str, int], model: str, budget: float) -> list[p.Scheme]:
+        """How the engines of ``model`` at ``peer`` hash their blocks (none: the peer knows of none, is no member,
+        or failed within ``budget`` seconds)."""
+        if peer not in self.members:
+            return []
+        deadline = time.monotonic() + budget
+        try:
+            conn = await asyncio.wait_for(self._connection(peer), _left(deadline))
+            async with conn.lock:
+                conn.writer.write(p.frame(p.Schemes(model)))
+                await conn.writer.drain()
+                known = await asyncio.wait_for(_read(conn.reader, p.MAX_FRAME), _left(deadline))
+            if not isinstance(known, p.Known):
+                raise p.PeerProtocolError(f"expected the known schemes, got {type(known).__name__.lower()}")
+            p.check_known(known)
+            return known.schemes
+        except (PeerRefused, TimeoutError, OSError, asyncio.IncompleteReadError, p.PeerProtocolError) as exc:
+            log.info("peer %s:%d: no hashing schemes: %s", *peer, exc or type(exc).__name__)
+            self._drop(peer)
+            return []
 
     async def _fetch(self, peer: tuple[str, int], model: str, hashes: list[bytes], meta: WorkloadMeta,
                      deadline: float) -> FetchResult:

@@ -29,6 +29,10 @@ class PoolHost(Protocol):
 
     async def run_background(self, fn: Callable[..., T], *args: Any, heavy: bool = False, **kwargs: Any) -> T: ...
 
+    def engine_schemes(self, model: str) -> list[tuple[str, str, str]]:
+        """(identity, algo, seed) of each engine model identity of ``model`` whose hashing is known here."""
+        ...
+
 
 def pool_keys(model: str, hashes: list[bytes]) -> list[Hashable]:
     """The engine block hashes of ``model`` as the pool's keys (before the tenant salt the pool adds)."""

@@ -11,7 +11,9 @@ One frame is a 4-byte big-endian length and a msgpack body (msgspec), as on the 
 4. any number of fetches, one at a time: client -> :class:`Fetch` (the model identity, the prompt's leading
    block hashes, its workload metadata), server -> :class:`Offer` (the pages it holds for the longest leading
    run it has: their page ids, held until the client says :class:`Done`, the connection ends, or
-   ``hold_seconds`` pass), client -> :class:`Done` once its read is over (or abandoned).
+   ``hold_seconds`` pass), client -> :class:`Done` once its read is over (or abandoned);
+   or client -> :class:`Schemes` (a model's name), server -> :class:`Known` (how the source's engines of that
+   model hash their blocks: a reader whose own engine has not connected yet names a prompt's pages with it).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ MAX_FRAME = 8 << 20  # after: a fetch of MAX_BLOCKS hashes of MAX_HASH_BYTES
 MAX_BLOCKS = 1 << 15  # block hashes in one fetch (the engine channel's admission bound)
 MAX_HASH_BYTES = 64
 MAX_MODEL = 4096  # characters of a model identity
+MAX_SCHEMES = 64  # engine model identities a source answers for one model (the sidecar keeps 64 at most)
 MAX_METADATA = 1 << 20  # bytes of a NIXL agent's metadata (a few hundred bytes for UCX)
 _LEN = struct.Struct(">I")
 
@@ -92,7 +95,23 @@ class Done(msgspec.Struct, tag="done", array_like=True):
     pass
 
 
-Message = Challenge | Proof | Accept | Refused | Fetch | Offer | Done
+class Schemes(msgspec.Struct, tag="schemes", array_like=True):
+    model: str  # a model's name (an engine's --model) or a whole model identity
+
+
+class Scheme(msgspec.Struct, array_like=True, frozen=True):
+    """How the engines of one model identity hash their blocks (their hello's hashing, checked by its probe)."""
+
+    identity: str
+    algo: str
+    seed: str
+
+
+class Known(msgspec.Struct, tag="known", array_like=True):
+    schemes: list[Scheme]
+
+
+Message = Challenge | Proof | Accept | Refused | Fetch | Offer | Done | Schemes | Known
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -129,6 +148,18 @@ def proof(secret: bytes, side: bytes, server_nonce: bytes, client_nonce: bytes) 
 
 def proved(secret: bytes | None, side: bytes, server_nonce: bytes, client_nonce: bytes, tag: bytes) -> bool:
     return secret is not None and hmac.compare_digest(proof(secret, side, server_nonce, client_nonce), tag)
+
+
+def check_schemes(msg: Schemes) -> None:
+    if not 0 < len(msg.model) <= MAX_MODEL:
+        raise PeerProtocolError(f"model must be 1-{MAX_MODEL} characters (field model)")
+
+
+def check_known(msg: Known) -> None:
+    if len(msg.schemes) > MAX_SCHEMES or any(not 0 < len(s.identity) <= MAX_MODEL or len(s.algo) > 64
+                                             or len(s.seed) > MAX_MODEL for s in msg.schemes):
+        raise PeerProtocolError(f"schemes: at most {MAX_SCHEMES}, each an identity of 1-{MAX_MODEL} characters "
+                                "(field schemes)")
 
 
 def check_fetch(msg: Fetch) -> None:

@@ -19,8 +19,8 @@ from typing import Any
 from kvpool_sidecar.peers import protocol as p
 from kvpool_sidecar.peers.agent import PeerAgent
 from kvpool_sidecar.peers.host import PoolHost, meta_of, pool_keys
+from kvpool_sidecar.peers.keys import TransferKeys
 from kvpool_sidecar.pool import PoolError, UnknownSequence
-from kvpool_sidecar.storage.transfer import TransferKeys
 
 log = logging.getLogger("kvpool.peers")
 HANDSHAKE_TIMEOUT = 5.0  # seconds a new connection has to prove the cluster key
@@ -93,6 +93,12 @@ class PeerServer:
         try:
             if await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_TIMEOUT):
                 while (msg := await _read(reader, p.MAX_FRAME)) is not None:
+                    if isinstance(msg, p.Schemes):
+                        p.check_schemes(msg)
+                        schemes = [p.Scheme(*s) for s in self.host.engine_schemes(msg.model)][:p.MAX_SCHEMES]
+                        writer.write(p.frame(p.Known(schemes)))
+                        await writer.drain()
+                        continue
                     if not isinstance(msg, p.Fetch):
                         raise p.PeerProtocolError(f"expected a fetch, got {type(msg).__name__.lower()}")
                     p.check_fetch(msg)

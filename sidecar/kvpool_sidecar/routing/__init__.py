@@ -1,4 +1,5 @@
-"""Routing requests to the pod that holds their prefix: consistent hashing, bounded load, replicas."""
+"""Routing: the cluster replay's simulated router (consistent hashing, bounded load, replicas) and kvpool's
+tier as vLLM KV events (:mod:`.kv_events`) for a router that indexes them (llm-d)."""
 
 from kvpool_sidecar.rates import DecayedCounter
 from kvpool_sidecar.routing.ring import HashRing, key_movement, key_position

@@ -1,4 +1,5 @@
-"""Prefix-affinity routing with bounded load and hot-prefix replicas (pure: no I/O, no clock of its own).
+"""Prefix-affinity routing with bounded load and hot-prefix replicas (pure: no I/O, no clock of its own): the
+router the cluster replay (:mod:`kvpool_sidecar.replay.cluster`) simulates; no service runs it.
 
 A request's routing key is the chained hash of its first ``prefixPages`` full pages (the pool's own
 keys, tenant salt included), so requests sharing that prefix meet on the pod that caches it. The key

@@ -12,18 +12,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import watchfiles
-from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool_sidecar.config import SidecarConfig
 from kvpool_sidecar.peers.node import Peers
+from kvpool_sidecar.service import models as m
 from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, EngineChannel
 from kvpool_sidecar.service.credentials import Credentials
 from kvpool_sidecar.service.http import (
     ERROR_RESPONSES,
-    TRANSFER_ROLES,
-    TRANSFER_STATUS,
     BodyLimit,
     as_credentials,
     authenticate,
@@ -31,9 +29,9 @@ from kvpool_sidecar.service.http import (
     error_response,
     install_error_handlers,
 )
-from kvpool_sidecar.service.routes import config_routes, pin_routes, sequence_routes, transfer_routes
+from kvpool_sidecar.service.routes import config_routes, pin_routes, sequence_routes
 from kvpool_sidecar.service.state import Sidecar
-from kvpool_sidecar.storage import transfer
+from kvpool_sidecar.service.warmup import WARMUP_SECONDS, WarmUp
 
 log = logging.getLogger("kvpool.sidecar")
 DEFAULT_MAX_BODY_BYTES = 16 << 20  # a 2M-token prompt as JSON is about 14 MB
@@ -48,38 +46,34 @@ def create_app(
     sidecar: Sidecar, *, token: str | Credentials | None = None, serve_metrics: bool = True, poll_interval: float = 0.5,
     pre_evict_interval: float = 1.0, on_shutdown: Callable[[], None] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_socket: str | None = None,
-    engine_quarantine: float = DEFAULT_QUARANTINE, peers: Peers | None = None) -> FastAPI:
+    engine_quarantine: float = DEFAULT_QUARANTINE, peers: Peers | None = None,
+    peer_warmup: float = WARMUP_SECONDS) -> FastAPI:
     credentials = as_credentials(token)
+    warmup = WarmUp(sidecar, peers.client, peer_warmup) if peers is not None else None
     channel = EngineChannel(sidecar, engine_socket, credentials, engine_quarantine, peers) if engine_socket else None
     app = FastAPI(
         title="kvpool sidecar",
         version="0.1.0",
         description="Paged KV-cache pool of one inference pod: prefix reuse, pins, partitions, eviction.",
-        lifespan=_lifespan(sidecar, poll_interval, pre_evict_interval, on_shutdown, channel, peers),
+        lifespan=_lifespan(sidecar, poll_interval, pre_evict_interval, on_shutdown, channel, peers, warmup),
         responses=ERROR_RESPONSES,
     )
 
     install_error_handlers(app)
-    app.add_middleware(BodyLimit, limit=lambda path: sidecar.max_body_bytes(path, max_body_bytes))
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     auth = authenticate(credentials)
     app.include_router(sequence_routes(sidecar, auth))
     app.include_router(pin_routes(sidecar, auth))
     app.include_router(config_routes(sidecar, auth))
-    app.include_router(transfer_routes(sidecar, authenticate(credentials, TRANSFER_ROLES)))
-
-    @app.exception_handler(transfer.TransferError)
-    async def _transfer_error(_: Request, exc: transfer.TransferError) -> JSONResponse:
-        return error_response(TRANSFER_STATUS.get(exc.reason, 400), exc.reason, str(exc), exc.field)
 
     @app.get("/healthz", tags=["status"])
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["status"])
-    async def readyz() -> dict[str, str]:
-        # The sidecar starts only with a valid config and never drops it: once serving, it is ready.
-        return {"status": "ready", "config_hash": sidecar.state.hash}
+    @app.get("/readyz", tags=["status"], responses={503: {"model": m.ErrorResponse}})
+    async def readyz() -> Any:
+        return readiness(sidecar, warmup)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -106,9 +100,18 @@ def create_app(
     return app
 
 
+def readiness(sidecar: Sidecar, warmup: WarmUp | None) -> Any:
+    """The sidecar starts only with a valid config and never drops it: once serving and past its warm-up from
+    peers (bounded: --peer-warmup-seconds), it is ready."""
+    if warmup is not None and not warmup.done:
+        return error_response(503, "warming_up", "fetching the policy's named prompts from peer sidecars "
+                              f"(at most {warmup.budget:g} s, --peer-warmup-seconds)")
+    return {"status": "ready", "config_hash": sidecar.state.hash}
+
+
 def _lifespan(
     sidecar: Sidecar, poll_interval: float, pre_evict_interval: float, on_shutdown: Callable[[], None] | None,
-    channel: EngineChannel | None = None, peers: Peers | None = None,
+    channel: EngineChannel | None = None, peers: Peers | None = None, warmup: WarmUp | None = None,
 ) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
     """The app's background jobs (config watch, idle pre-eviction, the engine channel, the peers) and its
     clean-up."""
@@ -126,6 +129,8 @@ def _lifespan(
         if peers is not None:
             await peers.start()  # before the app answers: a ready sidecar serves its peers
             jobs.append(peers.serve_until_cancelled())
+            if warmup is not None:
+                jobs.append(warmup.run())  # /readyz waits for it
         try:
             async with background(jobs):
                 yield

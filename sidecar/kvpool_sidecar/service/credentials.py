@@ -1,8 +1,7 @@
 """Who a caller is: bearer tokens from a mounted Secret, each mapped to a role. Never the request body.
 
 Token file: lines ``ROLE TOKEN`` with ROLE one of ``admin`` (everything), ``engine`` (acts for any
-tenant, as an engine knows its users; no config changes), ``router`` (exports and imports signed pages,
-nothing else: the network-facing router's credential) or ``tenant:NAME`` (acts only for NAME: a body
+tenant, as an engine knows its users; no config changes) or ``tenant:NAME`` (acts only for NAME: a body
 naming another tenant is refused, one naming none is taken as NAME; sees only its own sequences and
 pins). A file holding one bare token is that token as ``admin`` (the single-token form of earlier
 versions). Blank lines and ``#`` comments are skipped.
@@ -20,7 +19,7 @@ _TENANT = re.compile(r"^tenant:([^\s:]{1,256})$")
 
 @dataclass(frozen=True)
 class Principal:
-    role: str  # admin | engine | router | tenant
+    role: str  # admin | engine | tenant
     tenant: str | None = None  # for the tenant role
     session: str | None = None  # an engine channel connection: what it admits is its own alone
 
@@ -60,16 +59,16 @@ class Credentials:
         for n, line in lines:
             parts = line.split()
             if len(parts) != 2:
-                raise ValueError(f"{where} line {n}: expected 'ROLE TOKEN' (admin, engine, router or tenant:NAME)")
+                raise ValueError(f"{where} line {n}: expected 'ROLE TOKEN' (admin, engine or tenant:NAME)")
             role, token = parts
             if len(token) < MIN_TOKEN:
                 raise ValueError(f"{where} line {n}: the token must be at least {MIN_TOKEN} characters")
-            if role in ("admin", "engine", "router"):
+            if role in ("admin", "engine"):
                 principal = Principal(role)
             elif match := _TENANT.match(role):
                 principal = Principal("tenant", match.group(1))
             else:
-                raise ValueError(f"{where} line {n}: role {role!r} is not admin, engine, router or tenant:NAME")
+                raise ValueError(f"{where} line {n}: role {role!r} is not admin, engine or tenant:NAME")
             if any(hmac.compare_digest(token.encode(), secret) for secret, _ in entries):
                 raise ValueError(f"{where} line {n}: this token is given twice")
             entries.append((token.encode(), principal))

@@ -1,4 +1,4 @@
-"""HTTP plumbing shared by the sidecar's and the router's apps: error shapes, the body limit,
+"""The sidecar app's HTTP plumbing: error shapes, the body limit,
 bearer credentials and roles, and background jobs tied to an app's lifespan."""
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ def error_name(exc: PoolError) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
-TRANSFER_STATUS = {"not_cached": 404, "no_storage": 404, "corrupt_payload": 400, "hash_mismatch": 400,
-                   "incompatible_payload": 409, "too_large": 413, "unknown_key": 403, "bad_signature": 403,
-                   "expired_payload": 403, "no_transfer_key": 503}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": m.ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 422, 429, 503)
 }
@@ -60,7 +57,7 @@ class BodyLimit:
     """Refuse a body past its limit (413, before it is parsed): by its Content-Length; a body without
     one (chunked) is read up to the limit first, then handed on whole."""
 
-    def __init__(self, app: Any, limit: Callable[[str], int]) -> None:
+    def __init__(self, app: Any, limit: int) -> None:
         self.app, self.limit = app, limit
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[[], Awaitable[dict[str, Any]]],
@@ -68,9 +65,9 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = self.limit(scope["path"])
-        too_large = error_response(413, "too_large", f"the body is larger than this endpoint's limit of {limit} bytes "
-                           "(--max-body-bytes; an import: the pool's size)", "body")
+        limit = self.limit
+        too_large = error_response(413, "too_large", f"the body is larger than the limit of {limit} bytes "
+                                   "(--max-body-bytes)", "body")
         length = next((value for name, value in scope.get("headers", ()) if name == b"content-length"), None)
         if length is not None:
             if length.isdigit() and int(length) > limit:
@@ -120,7 +117,6 @@ def as_credentials(token: str | Credentials | None) -> Credentials | None:
 
 
 API_ROLES = ("admin", "engine", "tenant")  # the roles the sequence, pin and config routes answer
-TRANSFER_ROLES = ("admin", "engine", "router")  # page export and import: the router's only business
 
 
 def authenticate(credentials: Credentials | None,

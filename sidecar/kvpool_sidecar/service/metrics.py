@@ -74,7 +74,7 @@ class SidecarMetrics:
             registry=r,
         )
         self._define_config(r)
-        self._define_engine_and_transfer(r)
+        self._define_engine_and_peers(r)
         self._start_at_zero()
 
     def _define_config(self, r: CollectorRegistry) -> None:
@@ -98,7 +98,7 @@ class SidecarMetrics:
             "started without one)", registry=r,
         )
 
-    def _define_engine_and_transfer(self, r: CollectorRegistry) -> None:
+    def _define_engine_and_peers(self, r: CollectorRegistry) -> None:
         self.engine_sessions = Gauge(
             "kvpool_engine_sessions", "Engine sessions connected on the engine channel (scheduler side)",
             registry=r,
@@ -110,13 +110,6 @@ class SidecarMetrics:
         self.quarantined_pages = Gauge(
             "kvpool_engine_quarantined_pages", "Pages of lapsed engine sessions held out of circulation until "
             "their engine can no longer copy into or out of them (--engine-quarantine-seconds)", registry=r,
-        )
-        self.transfer_pages = Counter(
-            "kvpool_transfer_pages", "KV pages moved between sidecars (export: sent; import: written here)",
-            ["direction"], registry=r,
-        )
-        self.transfer_refused = Counter(
-            "kvpool_transfer_refused", "Page imports refused, by reason (nothing changed)", ["reason"], registry=r,
         )
         self._define_peers(r)
         self.connector_tokens = Counter(
@@ -159,6 +152,18 @@ class SidecarMetrics:
         self.peer_served_pages = Counter(
             "kvpool_peer_served_pages", "Pages held for peers to read (offered to their fetches)", registry=r,
         )
+        self.peer_members = Gauge(
+            "kvpool_peer_members", "Peer sidecars this one may fetch from (--peers: the static list, or the "
+            "serving pods of its policy)", registry=r,
+        )
+        self.peer_membership_errors = Counter(
+            "kvpool_peer_membership_errors", "Failed polls of the policy's pods (--peers kubernetes; the last "
+            "members were kept)", registry=r,
+        )
+        self.peer_warmups = Counter(
+            "kvpool_peer_warmups", "The policy's named prompts a starting sidecar sought from its peers, by result: "
+            "fetched (whole), partial, none (no member held them: left to the engine)", ["result"], registry=r,
+        )
         self.peer_refused = Counter(
             "kvpool_peer_refused", "Peer connections and fetches this sidecar refused, by reason", ["reason"],
             registry=r,
@@ -179,12 +184,12 @@ class SidecarMetrics:
                 self.evicted_pages.labels(partition, reason)
         for result in ("applied", "unchanged", "invalid"):
             self.reloads.labels(result)
-        for direction in ("export", "import"):
-            self.transfer_pages.labels(direction)
         for direction in ("loaded", "saved"):
             self.connector_tokens.labels(direction)
         for result in ("hit", "partial", "miss", "timeout", "refused", "error", "not_member"):
             self.peer_fetches.labels(result)
+        for result in ("fetched", "partial", "none"):
+            self.peer_warmups.labels(result)
         for reason in ("unauthorized", "protocol", "timeout", "too_many", "busy"):
             self.peer_refused.labels(reason)
         for operation in ("lookup", "load", "save", "save_skipped"):

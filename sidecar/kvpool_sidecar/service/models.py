@@ -134,40 +134,6 @@ class PinList(_Wire):
     pins: list[PinInfo]
 
 
-class ImportResponse(_Wire):
-    pages: int  # pages in the payload
-    imported_pages: int  # written here
-    already_cached_pages: int  # the leading pages this pool held already (not rewritten)
-    num_tokens: int
-
-
-class RouteTarget(_Wire):
-    pod: str
-    url: str
-
-
-class RouteResponse(_Wire):
-    pod: str
-    url: str
-    reason: str  # owner | replica | overflow | unkeyed | random | round-robin | least-loaded
-    alternates: list[RouteTarget]  # where to go next, in order, should the pod refuse
-    hot: bool  # the prefix is above routing.hotPrefixQPS
-    key: str | None  # the routing key (hex of the chained page hash); null: no full page
-    owner: str | None  # the key's owner on the hash ring (null: no key, or a non-hash mode)
-
-
-class PodView(_Wire):
-    pod: str
-    url: str
-    sidecar_url: str
-    load: float
-
-
-class PodsResponse(_Wire):
-    mode: str
-    pods: list[PodView]
-
-
 class ErrorResponse(_Wire):
     error: str
     detail: str

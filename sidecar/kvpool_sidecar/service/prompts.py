@@ -1,8 +1,9 @@
 """Pins in the engine's key space: by token ids through the API, and the policy's named prompts
 (``pinning.prompts``), kept pinned.
 
-A named prompt has no pages until an engine serving its model computes it once and saves it; from
-then on the sidecar holds its pages pinned (re-pinned as more of it is saved, or after someone
+A named prompt has no pages until an engine serving its model computes it once and saves it, or a
+starting sidecar fetches it from a peer that holds it (:mod:`.warmup`); from then on the sidecar holds its
+pages pinned (re-pinned as more of it is saved, or after someone
 removed the pin). Its pages count against the pin quota like any pin; a config whose prompts cannot
 fit the quota is refused before anything changes. Pure bookkeeping over the sidecar's pin calls.
 """
@@ -134,6 +135,17 @@ class EnginePins:
             self._hashing_refused.add(model)
             log.warning("engine model %s: pins by token ids are off for it: %s", model[:200], why)
         return False
+
+    def engine_schemes(self, model: str) -> list[tuple[str, str, str]]:
+        """(identity, algo, seed) of each engine model identity ``model`` names whose hashing is known here."""
+        return [(m, *self.engine_hashing[m]) for m in list(self.engine_hashing)
+                if m == model or m.rsplit("@", 1)[0] == model]
+
+    def adopt_engine_hashing(self, identity: str, algo: str, seed: str) -> None:
+        """Take a peer's word for how the engines of ``identity`` hash (a warm-up before this sidecar's own engine
+        connected); what an engine of its own says (:meth:`learn_engine_hashing`) stays and replaces it."""
+        if identity not in self.engine_hashing and len(self.engine_hashing) < MAX_ENGINE_MODELS:
+            self.engine_hashing[identity] = (algo, seed)
 
     def engine_keys(self, model: str, tokens: list[int]) -> list[list[bytes]]:
         """The pool keys the engines of ``model`` give the full blocks of ``tokens``: one list per model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +11,8 @@ from kvpool_sidecar.config import ConfigError, validate_config
 from kvpool_sidecar.pool import PoolError
 from kvpool_sidecar.service import models as m
 from kvpool_sidecar.service.credentials import ADMIN, Principal
-from kvpool_sidecar.service.http import ApiError, error_name, meta_for, require, workload_meta
+from kvpool_sidecar.service.http import ApiError, error_name, meta_for, require
 from kvpool_sidecar.service.state import Sidecar
-from kvpool_sidecar.storage import transfer
 
 
 def sequence_routes(sidecar: Sidecar, auth: Callable[..., Any]) -> APIRouter:
@@ -155,43 +153,6 @@ def config_routes(sidecar: Sidecar, auth: Callable[..., Any]) -> APIRouter:
             return sidecar.storage.handle()
         except (RuntimeError, NotImplementedError) as exc:
             raise ApiError(404, "no_storage", str(exc)) from None
-
-    return api
-
-
-def transfer_routes(sidecar: Sidecar, auth: Callable[..., Any]) -> APIRouter:
-    """Page transfer between sidecars (always behind credentials)."""
-    api = APIRouter()
-    v1 = [Depends(auth)]
-
-    @api.post("/v1/transfer/export", dependencies=v1, tags=["transfer"], response_class=Response,
-              responses={200: {"description": "the prompt's cached leading pages (kvpool page-transfer payload)",
-                               "content": {transfer.CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
-    async def export_pages(body: m.Prompt, who: Principal = Depends(auth)) -> Response:
-        """Export the prompt's cached leading pages (KV and keys) for another sidecar's import."""
-        payload, pages = await sidecar.run(
-            sidecar.export_prefix, body.tokens, body.block_hashes, body.num_tokens, workload_meta(body.meta), heavy=True
-        )
-        return Response(payload, media_type=transfer.CONTENT_TYPE, headers={"x-kvpool-pages": str(pages)})
-
-    @api.post("/v1/transfer/import", response_model=m.ImportResponse, dependencies=v1, tags=["transfer"],
-              responses={413: {"model": m.ErrorResponse}, 415: {"model": m.ErrorResponse}},
-              openapi_extra={"requestBody": {"required": True, "content": {
-                  "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
-    async def import_pages(request: Request, who: Principal = Depends(auth)) -> m.ImportResponse:
-        """Import another sidecar's exported pages: verified, then cached here whole, or refused unchanged.
-
-        The body is an export's payload, sent as application/vnd.kvpool.pages or application/octet-stream.
-        """
-        kind = request.headers.get("content-type", "").split(";")[0].strip()
-        if kind not in (transfer.CONTENT_TYPE, "application/octet-stream"):
-            raise ApiError(415, "unsupported_media_type", f"send the export payload as {transfer.CONTENT_TYPE}",
-                           "content-type")
-        payload = await request.body()
-        # Checking the bytes (sha256 of every page) needs no lock: admissions go on meanwhile.
-        header, kv = await asyncio.to_thread(sidecar.verify_import, payload)
-        result = await sidecar.run(sidecar.import_prefix, header, kv, heavy=True)
-        return m.ImportResponse(**result)
 
     return api
 

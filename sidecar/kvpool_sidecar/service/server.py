@@ -11,29 +11,23 @@ from pathlib import Path
 import uvicorn
 from prometheus_client import start_http_server
 
-from kvpool_sidecar.config import POLICY_LABEL, SidecarConfig, load_config
+from kvpool_sidecar.config import SidecarConfig, load_config
 from kvpool_sidecar.errors import InvalidRequest
-from kvpool_sidecar.peers.node import Peers, parse_peers
+from kvpool_sidecar.peers.keys import TransferKeys
+from kvpool_sidecar.peers.node import REFRESH_SECONDS, Peers, parse_peers
 from kvpool_sidecar.service.app import DEFAULT_MAX_BODY_BYTES, create_app
 from kvpool_sidecar.service.channel import DEFAULT_QUARANTINE, socket_in_use
 from kvpool_sidecar.service.credentials import Credentials
-from kvpool_sidecar.service.membership import (
-    KubernetesMembership,
-    MembershipSource,
-    StaticMembership,
-    default_namespace,
-    load_kube_config,
-    parse_static,
-)
+from kvpool_sidecar.service.membership import KUBERNETES, PolicyPeers, default_namespace, load_kube_config
 from kvpool_sidecar.service.prompts import check_prompts_fit
-from kvpool_sidecar.service.router_app import RouterService, create_router_app
 from kvpool_sidecar.service.state import (
     DEFAULT_MAX_PINS_PER_OWNER,
     DEFAULT_MAX_SEQUENCE_TOKENS,
     DEFAULT_MAX_SEQUENCES,
     Sidecar,
 )
-from kvpool_sidecar.storage import KVStorage, ModelShape, transfer
+from kvpool_sidecar.service.warmup import WARMUP_SECONDS
+from kvpool_sidecar.storage import KVStorage, ModelShape
 from kvpool_sidecar.storage.tensors import WritersStillActive
 
 DEFAULT_PAGES = 65_536
@@ -55,7 +49,7 @@ class ServeOptions:
     metrics_port: int | None = None
     log_level: str = "info"
     kv_shape: str | None = None  # "layers,kv_heads,head_dim[,dtype]": allocate the KV tensors too
-    transfer_key_file: str | None = None  # cluster keys that sign and verify page transfers
+    transfer_key_file: str | None = None  # the cluster keys peers prove to each other
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_sequences: int = DEFAULT_MAX_SEQUENCES
     max_sequence_tokens: int = DEFAULT_MAX_SEQUENCE_TOKENS
@@ -64,7 +58,10 @@ class ServeOptions:
     engine_quarantine: float = DEFAULT_QUARANTINE  # seconds a lapsed engine session's pages stay out of use
     peer_port: int | None = None  # serve the pool to peer sidecars (None: off)
     peer_host: str = "0.0.0.0"
-    peers: str | None = None  # HOST:PORT,... the peer sidecars this one fetches from
+    peers: str | None = None  # HOST:PORT,... the peer sidecars this one fetches from, or "kubernetes"
+    peer_namespace: str | None = None  # --peers kubernetes: for a config whose source names no namespace
+    peer_refresh: float = REFRESH_SECONDS  # --peers kubernetes: seconds between two polls of the policy's pods
+    peer_warmup: float = WARMUP_SECONDS  # the start-up fetch of the named prompts from peers, at most (0: none)
 
 
 def is_loopback(host: str) -> bool:
@@ -148,7 +145,7 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
     keys = None
     if options.transfer_key_file:
         try:
-            keys = transfer.TransferKeys.load(options.transfer_key_file)
+            keys = TransferKeys.load(options.transfer_key_file)
         except ValueError as exc:
             raise ServeError(f"--transfer-key-file: {exc}") from None
     storage = None
@@ -168,7 +165,8 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
 
 
 def build_peers(options: ServeOptions, sidecar: Sidecar) -> Peers | None:
-    """The peer server (``--peer-port``) and client (``--peers``), or None when neither is asked for."""
+    """The peer server (``--peer-port``) and client (``--peers``: a static list, or ``kubernetes``: the pods of
+    the config's policy), or None when neither is asked for."""
     if options.peer_port is None and not options.peers:
         return None
     flag = "--peer-port" if options.peer_port is not None else "--peers"
@@ -176,9 +174,21 @@ def build_peers(options: ServeOptions, sidecar: Sidecar) -> Peers | None:
         raise ServeError(f"{flag}: peers prove the cluster key to each other: give --transfer-key-file")
     if sidecar.storage is None:
         raise ServeError(f"{flag}: peers read and serve the pool's KV: give --kv-shape")
+    membership = None
+    if options.peers == KUBERNETES:
+        if options.peer_port is None:
+            raise ServeError(f"--peers {KUBERNETES}: the members serve on this sidecar's --peer-port (the same on "
+                             "every pod of a policy): give --peer-port")
+        try:
+            load_kube_config()
+        except Exception as exc:  # no in-cluster service account and no kubeconfig
+            raise ServeError(f"--peers {KUBERNETES}: no Kubernetes credentials: {exc}") from None
+        membership = PolicyPeers(lambda: sidecar.state.config.source, options.peer_port,
+                                 options.peer_namespace or default_namespace()).members
     try:
-        members = parse_peers(options.peers or "")
-        return Peers(sidecar, sidecar.transfer_keys, port=options.peer_port, bind=options.peer_host, members=members)
+        members = parse_peers(options.peers or "") if membership is None else frozenset()
+        return Peers(sidecar, sidecar.transfer_keys, port=options.peer_port, bind=options.peer_host, members=members,
+                     membership=membership, refresh_seconds=options.peer_refresh)
     except (ValueError, RuntimeError) as exc:
         raise ServeError(str(exc)) from None
 
@@ -204,70 +214,8 @@ def serve(options: ServeOptions) -> None:
         start_http_server(options.metrics_port, options.metrics_host or "127.0.0.1", registry=sidecar.metrics.registry)
     app = create_app(sidecar, token=token, serve_metrics=not separate_metrics, on_shutdown=sidecar.close,
                      max_body_bytes=options.max_body_bytes, engine_socket=options.engine_socket,
-                     engine_quarantine=options.engine_quarantine, peers=peers)
+                     engine_quarantine=options.engine_quarantine, peers=peers, peer_warmup=options.peer_warmup)
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)
     finally:
         sidecar.close()
-
-
-@dataclass(frozen=True)
-class RouterOptions:
-    config: str | None = None
-    pods: tuple[str, ...] = ()  # name=engine_url[,sidecar_url] items: static members, not the Kubernetes API
-    namespace: str | None = None
-    engine_port: int = 8000
-    sidecar_port: int = 8100
-    mode: str = "bounded-hash+replicas"
-    host: str = "127.0.0.1"
-    port: int = 8080
-    membership_interval: float = 5.0
-    log_level: str = "info"
-    warm_replicas: bool = False
-    sidecar_token_file: str | None = None
-    token_file: str | None = None  # bearer token required of /v1 clients (optional: routing is read-only)
-    health_path: str = "/health"  # probed on each static pod's engine URL (vLLM serves /health)
-
-
-def build_router(options: RouterOptions) -> RouterService:
-    config = load_config(options.config) if options.config else SidecarConfig()
-    source: MembershipSource
-    if options.pods:
-        try:
-            source = StaticMembership(parse_static(list(options.pods)))
-        except ValueError as exc:
-            raise ServeError(str(exc)) from None
-    else:
-        policy = config.source.name if config.source else ""
-        if not policy:
-            raise ServeError(f"--config {options.config or '(none)'} names no policy (source.name, which a config "
-                             "rendered by the operator has): the router follows the pods labelled "
-                             f"{POLICY_LABEL}: NAME of that policy; give --pod name=url items for static members")
-        namespace = options.namespace or config.source.namespace or default_namespace()
-        if not namespace:
-            raise ServeError("give --pod name=url items, or --namespace (or a config rendered by the operator) "
-                             "to follow the policy's pods through the Kubernetes API")
-        load_kube_config()
-        source = KubernetesMembership(namespace, policy, options.engine_port, options.sidecar_port)
-    token = None
-    if options.sidecar_token_file:
-        try:
-            token = Path(options.sidecar_token_file).read_text().strip()
-        except OSError as exc:
-            raise ServeError(f"--sidecar-token-file {options.sidecar_token_file}: {exc.strerror}") from None
-    return RouterService(config, source, mode=options.mode, config_path=options.config,
-                         warm_replicas=options.warm_replicas, sidecar_token=token,
-                         health_path=options.health_path if options.pods else None)
-
-
-def router_token(options: RouterOptions) -> str | None:
-    """The bearer token the router requires of /v1 clients: required, as for the API, beyond loopback."""
-    return read_token(ServeOptions(host=options.host, token_file=options.token_file))
-
-
-def serve_router(options: RouterOptions) -> None:
-    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    token = router_token(options)
-    service = build_router(options)
-    app = create_router_app(service, membership_interval=options.membership_interval, token=token)
-    uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level, access_log=False)

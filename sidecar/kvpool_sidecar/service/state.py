@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import hashlib
 import logging
-import secrets
 import threading
 import time
 from array import array
@@ -27,13 +25,14 @@ from typing import Any, TypeVar
 
 from kvpool_sidecar.config import SidecarConfig, spec_hash
 from kvpool_sidecar.keys import workload_class_of
-from kvpool_sidecar.pool import PagePool, PoolError, TooManyPins, UnknownPin, UnknownSequence, WorkloadMeta
+from kvpool_sidecar.peers.keys import TransferKeys
+from kvpool_sidecar.pool import PagePool, TooManyPins, UnknownPin, UnknownSequence, WorkloadMeta
 from kvpool_sidecar.service.credentials import ADMIN, Principal
 from kvpool_sidecar.service.metrics import SidecarMetrics
 from kvpool_sidecar.service.prompts import EnginePins, PromptPins
 from kvpool_sidecar.service.reloads import ConfigReloads, ConfigState
 from kvpool_sidecar.service.removals import Removals
-from kvpool_sidecar.storage import KVStorage, transfer
+from kvpool_sidecar.storage import KVStorage
 from kvpool_sidecar.workload import DriftEvent, StatsClass
 
 log = logging.getLogger("kvpool.sidecar")
@@ -91,7 +90,7 @@ class Sidecar(ConfigReloads, EnginePins):
         clock: Callable[[], float] = time.monotonic,
         shadow_capacity: int | None = None,
         storage: KVStorage | None = None,
-        transfer_keys: transfer.TransferKeys | None = None,
+        transfer_keys: TransferKeys | None = None,
         max_sequences: int = DEFAULT_MAX_SEQUENCES,
         max_sequence_tokens: int = DEFAULT_MAX_SEQUENCE_TOKENS,
         max_pins_per_owner: int = DEFAULT_MAX_PINS_PER_OWNER,
@@ -279,106 +278,6 @@ class Sidecar(ConfigReloads, EnginePins):
             "reuse-rate drift in class %s: %.3f/min against reference %.3f/min%s", event.klass,
             event.fitted_rate, event.reference_rate, " (adopted as the new reference)" if event.adopted else "",
         )
-
-    # ------------------------------------------------------------------------------ transfer
-    def export_prefix(self, tokens: list[int] | None, block_hashes: list | None, num_tokens: int | None,
-                      meta: WorkloadMeta) -> tuple[bytes, int]:
-        """The prompt's cached leading pages as a transfer payload, and how many pages it holds."""
-        storage = self._need_storage()
-        signing = self._need_keys()
-        keys, pages = self.pool.cached_prefix(tokens, block_hashes=block_hashes, num_tokens=num_tokens, meta=meta)
-        if not pages:
-            detail = "no leading page of this prompt is cached here"
-            if self.engine_fed:
-                # A vLLM-fed pool is keyed by the engine's block hashes under its model's namespace: a
-                # token prompt (the router's warm-ups) never matches them.
-                detail += (": this pool is fed by an engine's connector and keyed by the engine's block "
-                           "hashes, which a token prompt does not match (route vLLM pods on the engine's KV "
-                           "events instead: docs/routing.md)")
-            raise transfer.TransferError("not_cached", detail, "tokens")
-        ps = self.pool.page_size
-        n = len(pages)
-        raw = transfer.kv_bytes(storage.gather_pages(pages, pin_host=True))  # serialised once: digest and body
-        header = transfer.TransferHeader(
-            page_size=ps, shape=transfer.WireShape(**asdict(storage.shape)), pages=n,
-            keys=[transfer.key_text(k) for k in keys[:n]],
-            tokens=tokens[: n * ps] if tokens is not None else None,
-            block_hashes=list(block_hashes[:n]) if block_hashes is not None else None,
-            num_tokens=n * ps, meta=transfer.WireMeta(**asdict(meta)), sha256=hashlib.sha256(raw).hexdigest(),
-        )
-        self.metrics.transfer_pages.labels("export").inc(n)
-        return transfer.encode(header, raw, signing), n
-
-    def verify_import(self, payload: bytes) -> tuple[transfer.TransferHeader, Any]:
-        """Check a payload against this pool without touching it (no lock needed: it reads only the
-        storage's fixed shape); returns the header and the pages' KV."""
-        try:
-            storage = self._need_storage()
-            header, data = transfer.decode(payload, self._need_keys())
-            if header.pages > self.pool.total_pages:
-                raise transfer.TransferError(
-                    "too_large", f"{header.pages} pages do not fit a pool of {self.pool.total_pages}",
-                    "header.pages",
-                )
-            return header, transfer.verify(header, data, storage)
-        except transfer.TransferError as exc:
-            self.metrics.transfer_refused.labels(exc.reason).inc()
-            raise
-
-    def import_prefix(self, header: transfer.TransferHeader, kv: Any) -> dict[str, int]:
-        """Cache a verified payload's pages here: all or nothing (a refusal changes nothing)."""
-        storage = self._need_storage()
-        meta = WorkloadMeta(**header.meta.model_dump())
-        keys, _ = self.pool.cached_prefix(header.tokens, block_hashes=header.block_hashes,
-                                          num_tokens=header.num_tokens, meta=meta)
-        if [transfer.key_text(k) for k in keys] != header.keys:
-            self.metrics.transfer_refused.labels("hash_mismatch").inc()
-            raise transfer.TransferError(
-                "hash_mismatch", "the pages' keys differ from this pool's hashes of their prompt "
-                "(another tenant, page size or hashing rule, or a corrupted prompt)", "header.keys",
-            )
-        seq = f"import:{secrets.token_hex(8)}"
-        try:
-            adm = self.pool.admit(seq, header.tokens, block_hashes=header.block_hashes,
-                                  num_tokens=header.num_tokens, meta=meta)  # nothing changed if it raises
-        except PoolError:
-            self.metrics.transfer_refused.labels("does_not_fit").inc()
-            raise
-        ps = self.pool.page_size
-        first_new = adm.num_cached_tokens // ps
-        try:
-            if first_new < header.pages:
-                storage.scatter_pages(adm.page_ids[first_new:], kv[first_new:])
-        except Exception:
-            self.pool.release(seq)  # nothing was committed: its fresh pages go back to the free list
-            raise
-        self.pool.commit(seq, header.num_tokens)
-        self.pool.release(seq)
-        written = header.pages - first_new
-        self.metrics.transfer_pages.labels("import").inc(written)
-        return {"pages": header.pages, "imported_pages": written, "already_cached_pages": first_new,
-                "num_tokens": header.num_tokens}
-
-    def max_body_bytes(self, path: str, json_limit: int) -> int:
-        """The largest body a request to ``path`` may send: an import holds at most the whole pool."""
-        if path == "/v1/transfer/import" and self.storage is not None:
-            return transfer.MAX_HEADER_BYTES + 64 + self.storage.num_pages * self.storage.shape.bytes_per_page(
-                self.storage.page_size)
-        return json_limit
-
-    def _need_keys(self) -> transfer.TransferKeys:
-        if self.transfer_keys is None:
-            raise transfer.TransferError(
-                "no_transfer_key", "page transfer needs a cluster key: start the sidecar with --transfer-key-file"
-            )
-        return self.transfer_keys
-
-    def _need_storage(self) -> KVStorage:
-        if self.storage is None:
-            raise transfer.TransferError(
-                "no_storage", "this sidecar keeps bookkeeping only: start it with --kv-shape to move KV"
-            )
-        return self.storage
 
     # ------------------------------------------------------------------------------ reading
     def snapshot(self) -> dict[str, Any]:
