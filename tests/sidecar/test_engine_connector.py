@@ -1003,7 +1003,7 @@ def test_under_pressure_a_request_loads_its_hits_and_saves_what_fits():
         side = LongSteps(SidecarLink(path, hello()), PS, session="s", lookup_wait=1.0)
         save_whole(side, "first", hashes(3), 13, [1, 2, 3, 4])
         settle(side.link, sidecar)
-        free = sidecar.pool.eviction.obtainable(0, []) - 3  # what the to-C partition can give, not evicting
+        free = sidecar.pool.capacity.obtainable(0, []) - 3  # what the to-C partition can give, not evicting
         hog = list(range(100, 100 + free - 1))
         wait_for(side, "hog", hashes(free - 2, "g"), (free - 2) * PS + 1, 0, None)
         side.allocated("hog", hog, 0)

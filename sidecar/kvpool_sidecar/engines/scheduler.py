@@ -9,7 +9,7 @@ and saves into them, if the answer comes within what the step's lookups left of 
 (below); else a later plan does, once the answer is in (the engine keeps the blocks meanwhile). A
 grow that finds no page (a pool full of pages in use or pinned) ends the request's saves there: what it
 could not get is not saved, and nothing waits. The worker copies (:mod:`.worker`); this side commits and
-releases.
+releases. The plans and the worker's reports are :mod:`.steps`; a request's record, :mod:`.requests`.
 A request's admission is released as soon as its transfers are over (its loads read, its last save
 committed or failed), not when the request finishes: a long decode holds no pool page, and what it
 committed stays in the pool as cache, evictable like any other page.
@@ -52,12 +52,13 @@ import time
 from collections import deque
 from concurrent.futures import Future, wait
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool_sidecar import wire
 from kvpool_sidecar.engines.hints import peer_source
-from kvpool_sidecar.engines.link import OpFailed, Report, SidecarDown, SidecarLink
+from kvpool_sidecar.engines.link import OpFailed, SidecarDown, SidecarLink
+from kvpool_sidecar.engines.requests import Request, loadable_tokens
+from kvpool_sidecar.engines.steps import LoadJob, SaveJob, StepDone, StepPlan
 
 log = logging.getLogger("kvpool.engine")
 META_FIELDS = ("tenant", "workload_class", "request_type", "turn", "user")
@@ -74,120 +75,6 @@ LATE_WARNING_EVERY = 60.0  # seconds: lookups past their budget are logged at mo
 PEER_FETCH_WAIT = 0.25
 
 
-@dataclass(frozen=True)
-class LoadJob:
-    req_id: str
-    epoch: int
-    pages: list[int]  # pool pages, in prompt order
-    blocks: list[int]  # the engine blocks they go into
-    valid: bool = True  # False: the admission's session ended; the worker reports the blocks failed
-    fence: tuple[int, int] | None = None  # the admission's session fence (the worker checks it)
-
-
-@dataclass(frozen=True)
-class SaveJob:
-    req_id: str
-    epoch: int
-    pages: list[int]  # pool pages the sidecar allocated for these blocks (its grows)
-    blocks: list[int]  # engine blocks whose KV is complete after this step
-    fence: tuple[int, int] | None = None  # the admission's session fence: no page is written once it moved
-
-
-@dataclass
-class StepPlan:
-    """What the worker does around one forward pass (the engine's connector metadata)."""
-
-    step: int = 0
-    loads: list[LoadJob] = field(default_factory=list)
-    saves: list[SaveJob] = field(default_factory=list)
-    preempted: set[str] = field(default_factory=set)  # requests whose blocks the engine freed this step
-    # Requests that had saves, all written and reported before they finished: the engine freed their
-    # blocks at once, so the worker does not name them in finished_sending.
-    released: set[str] = field(default_factory=set)
-    # Finished requests with saves still to plan (this plan's included): the engine keeps their blocks,
-    # and the worker names none of them in finished_sending yet.
-    coming: set[str] = field(default_factory=set)
-
-
-@dataclass
-class StepDone:
-    """What the worker reports of the steps it ran (summed over its ranks)."""
-
-    steps: dict[int, int] = field(default_factory=dict)  # step -> ranks that ran it
-    failed_saves: set[tuple[int, str]] = field(default_factory=set)  # (step, req_id)
-    report: Report = field(default_factory=Report)
-
-    def merge(self, other: StepDone) -> StepDone:
-        for step, n in other.steps.items():
-            self.steps[step] = self.steps.get(step, 0) + n
-        self.failed_saves |= other.failed_saves
-        self.report.merge(other.report)
-        return self
-
-
-def loadable_tokens(pool_pages: int, local_tokens: int, prompt_len: int, block_size: int) -> int:
-    """Tokens the pool can add beyond the engine's local hit (whole blocks; the last token is computed)."""
-    limit = (prompt_len - 1) // block_size
-    return max(0, min(pool_pages, limit) * block_size - local_tokens)
-
-
-@dataclass
-class _Request:
-    seq_id: str
-    prompt_len: int
-    num_pages: int  # full prompt pages it may save
-    asked_at: float = 0.0
-    future: Future | None = None
-    page_ids: list[int] = field(default_factory=list)
-    epoch: int | None = None
-    fence: tuple[int, int] | None = None
-    generation: int = 0  # the link connection its admission lives on
-    pool_pages: int = 0  # leading pages the pool held at admission
-    local_tokens: int = 0
-    allocated: bool = False  # the engine gave it blocks (a later lookup means it was preempted)
-    blocks: list[int] = field(default_factory=list)
-    load: tuple[int, int] | None = None  # (first block index, count) still to load
-    saved: int = 0  # pages [0, saved) are in the pool or being saved
-    save_failed: bool = False  # nothing past a failed save is committed
-    computed: int = 0  # its full prompt blocks computed once the last step that ran it is done
-    granted: int = 0  # leading pages its sequence holds: its hits, then what its grows added
-    grow: Future | None = None  # a grow asked, not yet taken in
-    grow_to: int = 0  # the pages that grow asked for
-    grow_short: bool = False  # a grow found fewer pages than asked: nothing past ``granted`` is saved
-    draining: bool = False  # finished by the engine with saves still to plan
-    in_flight: int = 0  # steps with its loads or saves whose worker report is awaited
-    ended: bool = False  # the engine is done with this admission (finished, or preempted and back): no more plans
-    # With KV events: the engine's request and its block hashes, and how many of its pages the sidecar
-    # says are published (written on the link's thread only, in reply order).
-    source: Any = None
-    hashes: list[bytes] = field(default_factory=list)
-    published: int = 0
-    op: wire.Admit | None = None  # its admission, asked again while the sidecar fetches (it has a peer hint)
-    wait: float = 0.0  # how long it may wait for its answer from its first ask
-
-    @property
-    def active(self) -> bool:
-        return self.future is not None or self.epoch is not None
-
-    @property
-    def saves_coming(self) -> bool:
-        """Pages asked for or granted that a save has still to write (none failed)."""
-        return not self.save_failed and (self.grow is not None or self.granted > self.saved)
-
-    @property
-    def transfers_over(self) -> bool:
-        """Nothing of its admission is still to be read or written: its pages can go back. A copy the
-        worker has not reported may still read a hit page or write a fresh one, whatever the engine did
-        with the request meanwhile: until it is reported, the pages stay held."""
-        if self.in_flight:
-            return False
-        if self.ended:
-            return not self.draining
-        saves_over = self.saved >= self.num_pages or self.save_failed or (
-            self.grow_short and self.grow is None and self.saved >= self.granted)
-        return self.load is None and saves_over
-
-
 class SchedulerSide:
     def __init__(self, link: SidecarLink, block_size: int, *, session: str, lookup_wait: float = 0.002,
                  world_size: int = 1, default_meta: dict[str, Any] | None = None,
@@ -202,15 +89,15 @@ class SchedulerSide:
         self.default_meta = dict(default_meta or {})
         self.trust_request_params = trust_request_params
         self.clock = clock
-        self._requests: dict[str, _Request] = {}
-        self._finishing: dict[str, _Request | None] = {}  # finished, waiting for finished_sending
-        self._draining: dict[str, _Request] = {}  # finished, saves still to plan
+        self._requests: dict[str, Request] = {}
+        self._finishing: dict[str, Request | None] = {}  # finished, waiting for finished_sending
+        self._draining: dict[str, Request] = {}  # finished, saves still to plan
         self._wait_until: float | None = None  # the step's waiting budget: lookup_wait in all, not per request
         self._next_id = 0
         self._prefix = session
         self._step = 0
         # step -> [(req_id, request, pages saved up to, or None: a load only)] awaiting the worker's report
-        self._pending: dict[int, list[tuple[str, _Request, int | None]]] = {}
+        self._pending: dict[int, list[tuple[str, Request, int | None]]] = {}
         # Requests that had a save job, as the worker saw them: they finish through finished_sending.
         self._saved: set[str] = set()
         self._released: set[str] = set()  # of those, finished with every save reported: for the next plan
@@ -285,12 +172,12 @@ class SchedulerSide:
         return len(self._order) >= MAX_PENDING_STEPS
 
     def _admit(self, req_id: str, block_hashes: list[bytes], prompt_len: int,
-               params: dict[str, Any] | None, adapter: str = "") -> _Request:
+               params: dict[str, Any] | None, adapter: str = "") -> Request:
         self._next_id += 1
         # A prompt longer than one admission may name: its first blocks go through the tier, the rest
         # are computed (the sidecar would refuse the whole admission).
         block_hashes = block_hashes[: wire.MAX_BLOCKS]
-        req = _Request(f"{self._prefix}-{self._next_id}", prompt_len, len(block_hashes), asked_at=self.clock(),
+        req = Request(f"{self._prefix}-{self._next_id}", prompt_len, len(block_hashes), asked_at=self.clock(),
                        wait=self.lookup_wait)
         self._requests[req_id] = req
         if block_hashes and self.link.available():
@@ -303,7 +190,7 @@ class SchedulerSide:
             req.future = self.link.admit(op)
         return req
 
-    def _ask_again(self, req: _Request) -> None:
+    def _ask_again(self, req: Request) -> None:
         """The sidecar is fetching the request's pages: the same admission again (answered once the fetch
         ended), or, once the request has waited ``fetch_wait``, without its hint (what the pool holds now,
         with a lookup's own budget from here)."""
@@ -344,7 +231,7 @@ class SchedulerSide:
                         "(the sidecar is slow: starved of CPU?)", self._late, self.lookup_wait * 1000)
             self._late, self._late_warned_at = 0, now
 
-    def _give_up(self, req: _Request) -> None:
+    def _give_up(self, req: Request) -> None:
         future, req.future = req.future, None
         assert future is not None
         self.link.release_when_answered(future, req.seq_id, made=True)
@@ -365,23 +252,56 @@ class SchedulerSide:
         """``scheduled``: (req_id, block ids: all when ``replace`` else the new ones or None, replace,
         tokens computed before this step, tokens scheduled in it), for every request in the step;
         ``preempted``: the requests the engine preempted (their blocks may be reused in this step)."""
-        now = self.clock()
         # The step's waiting budget, what its lookups left of it: the grows sent below are waited for
         # until then, and those not answered by then are saved by a later plan.
+        wait_until = self._start_step(len(scheduled))
+        plan = StepPlan(self._step, preempted=set(preempted or ()), released=self._released)
+        self._released = set()
+        pending: list[tuple[str, Request, int | None]] = []
+        saving = not self.backlogged
+        live = self.link.generation  # the connection this plan's admissions must live on
+        running, grows = self._plan_loads(plan, scheduled, live, saving)
+        if grows:
+            wait(grows, timeout=max(0.0, wait_until - self.clock()))
+        for req_id, req, loading in running:
+            upto = self._plan_save(plan, req_id, req) if saving else None
+            if upto is not None:
+                pending.append((req_id, req, upto))
+            elif loading:
+                pending.append((req_id, req, None))
+            elif req.transfers_over:
+                self._release(req)
+        drained = self._plan_draining(plan, pending, live, saving)
+        if pending:
+            for _, req, _ in pending:
+                req.in_flight += 1
+            self._pending[plan.step] = pending
+            self._order.append(plan.step)
+        for req in drained:  # after its last save is counted in flight: released once it is reported
+            if req.transfers_over:
+                self._release(req)
+        return plan
+
+    def _start_step(self, running: int) -> float:
+        """A new step of ``running`` requests: its number, the engine's recent step time; returns when
+        the step's waiting budget ends."""
+        now = self.clock()
         wait_until = self._wait_until if self._wait_until is not None else now + self.step_budget()
         self._wait_until = None  # the engine builds the plan once per step, after every lookup of it
         self._step += 1
         if self._planned_at is not None:
             took = min(now - self._planned_at, STEP_TIME_CAP)
             self._step_time = took if self._step_time is None else 0.8 * self._step_time + 0.2 * took
-        self._planned_at, self._running = now, len(scheduled)
-        plan = StepPlan(self._step, preempted=set(preempted or ()), released=self._released)
-        self._released = set()
+        self._planned_at, self._running = now, running
+        return wait_until
+
+    def _plan_loads(self, plan: StepPlan, scheduled: list[tuple[str, list[int] | None, bool, int, int]],
+                    live: int, saving: bool) -> tuple[list[tuple[str, Request, bool]], list[Future]]:
+        """The step's loads, and a grow for each request whose computed blocks have no pages yet (not
+        waited for here). Returns the requests running on the live connection (with whether they load
+        in this step) and the grows sent."""
         bs = self.block_size
-        live = self.link.generation
-        pending: list[tuple[str, _Request, int | None]] = []
-        saving = not self.backlogged
-        running: list[tuple[str, _Request, bool]] = []
+        running: list[tuple[str, Request, bool]] = []
         grows: list[Future] = []
         for req_id, block_ids, replace, computed, scheduled_tokens in scheduled:
             req = self._requests.get(req_id)
@@ -404,24 +324,20 @@ class SchedulerSide:
             req.computed = max(req.computed, min((computed + scheduled_tokens) // bs, req.num_pages,
                                                  len(req.blocks)))
             running.append((req_id, req, loading))
-            self._take_grow(req)
+            req.take_grow()
             if saving and req.grow is None and not req.grow_short and not req.save_failed \
                     and req.granted < req.computed:
                 req.grow_to = req.computed  # pages for the blocks this step completes
                 req.grow = self.link.grow(req.seq_id, req.computed * bs, req.generation)
                 grows.append(req.grow)
-        if grows:
-            wait(grows, timeout=max(0.0, wait_until - self.clock()))
-        for req_id, req, loading in running:
-            upto = self._plan_save(plan, req_id, req) if saving else None
-            if upto is not None:
-                pending.append((req_id, req, upto))
-            elif loading:
-                pending.append((req_id, req, None))
-            elif req.transfers_over:
-                self._release(req)
+        return running, grows
+
+    def _plan_draining(self, plan: StepPlan, pending: list[tuple[str, Request, int | None]], live: int,
+                       saving: bool) -> list[Request]:
+        """The saves of the finished requests still draining (added to ``pending``); returns those that
+        have none left to plan (no longer draining)."""
         plan.coming = set(self._draining)
-        drained: list[_Request] = []
+        drained: list[Request] = []
         for req_id, req in list(self._draining.items()):
             upto = None
             if req.generation != live or req.epoch is None:
@@ -434,35 +350,12 @@ class SchedulerSide:
                 del self._draining[req_id]
                 req.draining = False
                 drained.append(req)
-        if pending:
-            for _, req, _ in pending:
-                req.in_flight += 1
-            self._pending[plan.step] = pending
-            self._order.append(plan.step)
-        for req in drained:  # after its last save is counted in flight: released once it is reported
-            if req.transfers_over:
-                self._release(req)
-        return plan
+        return drained
 
-    @staticmethod
-    def _take_grow(req: _Request) -> None:
-        """Take in the answer of the request's grow, if it is in (never waits)."""
-        future = req.grow
-        if future is None or not future.done():
-            return
-        req.grow = None
-        try:
-            pages = future.result().page_ids
-        except (SidecarDown, OpFailed):
-            pages = []
-        req.page_ids.extend(pages)
-        req.granted += len(pages)
-        req.grow_short = req.granted < req.grow_to
-
-    def _plan_save(self, plan: StepPlan, req_id: str, req: _Request) -> int | None:
+    def _plan_save(self, plan: StepPlan, req_id: str, req: Request) -> int | None:
         """A save job for the request's computed blocks that have pages (its grow's answer taken in
         first); returns the pages it saves up to, or None when it plans none."""
-        self._take_grow(req)
+        req.take_grow()
         upto = min(req.computed, req.granted)
         if upto <= req.saved or req.save_failed:
             return None
@@ -496,7 +389,7 @@ class SchedulerSide:
                     self._release(req)  # after its commits, on the same link
             self._failed = {(s, rid) for s, rid in self._failed if s > step}
 
-    def _announcer(self, req: _Request) -> Any:
+    def _announcer(self, req: Request) -> Any:
         events = self.events
         assert events is not None
 
@@ -542,20 +435,20 @@ class SchedulerSide:
             if req is not None:
                 self._end(req)
 
-    def _forget(self, req_id: str, req: _Request) -> None:
+    def _forget(self, req_id: str, req: Request) -> None:
         """A preempted request starts over with a fresh admission: the old one ends (its saves still in
         flight are committed or failed as the worker reports them, and then it is released)."""
         del self._requests[req_id]
         self._end(req)
 
-    def _end(self, req: _Request) -> None:
+    def _end(self, req: Request) -> None:
         """No more copies are planned for this admission: released now, or by :meth:`worker_done` once
         the worker has reported the copies still in flight (the one rule for when its pages go back)."""
         req.ended = True
         if req.transfers_over:
             self._release(req)
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: Request) -> None:
         if req.future is not None:
             self._give_up(req)
         elif req.epoch is not None:

@@ -52,8 +52,9 @@ from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import LayoutError, check_cuda_path, engine_layers
 from kvpool_sidecar.engines.identity import IdentityError, hash_seed_problem, model_identity
 from kvpool_sidecar.engines.link import SidecarLink, fetch_welcome
-from kvpool_sidecar.engines.scheduler import SchedulerSide, StepDone, StepPlan
+from kvpool_sidecar.engines.scheduler import SchedulerSide
 from kvpool_sidecar.engines.settings import parse_settings
+from kvpool_sidecar.engines.steps import StepDone, StepPlan
 from kvpool_sidecar.engines.worker import WorkerSide
 from kvpool_sidecar.routing.kv_events import EventLog, Stored
 

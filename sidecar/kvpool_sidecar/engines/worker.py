@@ -10,7 +10,7 @@ Safety rules (a wrong KV page is a wrong answer):
   session's slot locked, then the fence checked: the sidecar hands the session's pages on only once no
   slice holds the lock) and a load checks it after it has read, so once the sidecar may hand the
   session's pages on nothing of this engine writes them, and nothing read from them is used;
-* the worker never commits: it reports each step whose saves are written (:class:`~.scheduler.StepDone`,
+* the worker never commits: it reports each step whose saves are written (:class:`~.steps.StepDone`,
   through the engine's own worker-to-scheduler metadata, which vLLM aggregates over its ranks) and the
   scheduler commits a step's saves once every rank has reported it, none of them failed (a
   tensor-parallel rank writes its share of each page: a page is whole only when every rank's share is
@@ -55,7 +55,7 @@ from kvpool_sidecar import wire
 from kvpool_sidecar.engines.blocks import EngineLayer, LayoutError, PageCopier, check_compatible
 from kvpool_sidecar.engines.copies import CopyQueue
 from kvpool_sidecar.engines.link import Backoff, Refused, SidecarDown
-from kvpool_sidecar.engines.scheduler import LoadJob, SaveJob, StepDone, StepPlan
+from kvpool_sidecar.engines.steps import LoadJob, SaveJob, StepDone, StepPlan
 from kvpool_sidecar.storage import KVStorage, StaleHandle
 from kvpool_sidecar.storage.tensors import AttachedKV
 

@@ -5,7 +5,8 @@ One path takes victims: :meth:`Eviction._evict_batch` (bulk or one at a time, th
 inlined), which hands over to :meth:`Eviction._evict_with_descendants` when a victim has cached
 descendants (they go too, leaves first: I4). Owns I5 (a page in use or pinned is in no policy), I7
 (a class allocates and evicts only inside its partition) and the eviction counters (every evicted
-page is counted once, under one reason).
+page is counted once, under one reason). How many pages a partition could get is :mod:`.capacity`'s
+count, by the rules of :meth:`Eviction.allocate`.
 """
 
 from __future__ import annotations
@@ -151,57 +152,8 @@ class Eviction:
             policies[home].insert(batch, depths, seq.published, now, klass)
         return len(pages) - held - freed
 
-    def obtainable(self, part: int, exclude: list[int]) -> int:
-        """Pages that partition ``part`` could get now, if the pages in ``exclude`` stop being evictable.
-
-        Free pages and, up to its limit, the other partition's evictable pages past that one's share;
-        then its own evictable pages. Whatever it gets, its pages in use or pinned stay within its share
-        : the other partition's share is then always free or one eviction away.
-        """
-        policies = self.policies
-        evictable = [len(policies[0]), len(policies[1])]
-        ref = self.table.ref
-        pins = self.table.pins
-        part_of = self.table.part
-        for page in exclude:
-            if not ref[page] and not pins[page]:  # cached, unpinned: in its policy (I1)
-                evictable[part_of[page]] -= 1
-        other = 1 - part
-        room = self.limits[part] - self.owned[part]
-        spare = min(evictable[other], max(self.owned[other] - self.caps[other], 0))
-        reachable = evictable[part] + min(max(room, 0), len(self.table.free) + spare)
-        return min(reachable, self.caps[part] - (self.owned[part] - evictable[part]))
-
-    def surely_obtainable(self, part: int, need: int, excluded: int) -> bool:
-        """Whether ``need`` pages are obtainable by a lower bound of :meth:`_obtainable` that does not
-        look at the excluded pages (each makes at most one page of one partition unevictable): enough
-        for the admission check of a big pool, and mostly decided by the partition's own pages."""
-        own = len(self.policies[part])
-        if self.caps[part] - (self.owned[part] - own) - excluded < need:
-            return False
-        own -= excluded
-        if own >= need:
-            return True
-        room = self.limits[part] - self.owned[part]
-        if room <= 0:
-            return False
-        other = 1 - part
-        spare = max(min(len(self.policies[other]) - excluded, self.owned[other] - self.caps[other]), 0)
-        return max(own, 0) + min(room, len(self.table.free) + spare) >= need
-
-    def borrowed(self, part: int) -> int:
-        """Pages ``part`` holds past its share: the other partition's idle share, which it gets back one
-        eviction per page."""
-        return max(self.owned[part] - self.caps[part], 0)
-
-    def reach(self, part: int) -> int:
-        """The pages ``part`` can hold now: its limit, less what the other partition holds within its
-        own share (pages past that share come back to ``part`` one eviction each)."""
-        other = 1 - part
-        return min(self.limits[part], self.table.total_pages - min(self.owned[other], self.caps[other]))
-
     def allocate(self, part: int, count: int, now: float) -> list[int]:
-        """Hand out ``count`` pages to ``part``; the caller checked :meth:`_obtainable` first.
+        """Hand out ``count`` pages to ``part``; the caller checked :meth:`.Capacity.obtainable` first.
 
         Free pages first (in bulk), then evictions; the eviction of a leaf is inlined: it is the hot
         path of a full pool.
@@ -224,7 +176,8 @@ class Eviction:
         if rest and owned[part] < limit and owned[other] > self.caps[other]:
             # The other partition holds pages past its share (borrowed, or a live resize shrank it): it
             # gives them back, one eviction each (a cascade may free several at once), while it has
-            # evictable ones; the rest come from this partition's own, as _obtainable counted them.
+            # evictable ones; the rest come from this partition's own, as :meth:`.Capacity.obtainable`
+            # counted them.
             policy = self.policies[other]
             while len(pages) < count and owned[part] < limit and (
                 free or (owned[other] > self.caps[other] and len(policy))
@@ -339,7 +292,8 @@ class Eviction:
         owned = self.owned
         # A partition over its share (shrunk by a live resize) keeps its size while it serves its own
         # requests one page for one, as the leaf path does; it must not then fall short of the pages
-        # _obtainable counted (its own evictable ones) because its cascades freed them past its cap.
+        # Capacity.obtainable counted (its own evictable ones) because its cascades freed them past its
+        # cap.
         cap = max(self.limits[part], owned[part])
         pages: list[int] = []
         expired = victims = 0

@@ -12,6 +12,7 @@ from collections.abc import Hashable
 
 from kvpool_sidecar.frequency import COUNT_CAP, CountCurve, CountLift, FrequencySketch, FrequencyView, ReuseByCount
 from kvpool_sidecar.keys import TO_B
+from kvpool_sidecar.pool.capacity import Capacity
 from kvpool_sidecar.pool.eviction import Eviction
 from kvpool_sidecar.pool.records import PARTITIONS, PoolSettings
 from kvpool_sidecar.pool.tuning import SelfTuner
@@ -21,8 +22,9 @@ class PageFrequencies:
     """Page counts, count curves and self-tuners by partition: an observer of a pool's admissions that
     moves its policies' reuse weights (the policies of an :class:`~.eviction.Eviction`)."""
 
-    def __init__(self, eviction: Eviction) -> None:
+    def __init__(self, eviction: Eviction, capacity: Capacity) -> None:
         self.eviction = eviction
+        self.capacity = capacity
         self._sketch = FrequencySketch(0)
         self._page_counts: list[int] = []  # per page, its count when last admitted (while counting)
         # The to-B partition's credit is the learned P(reuse | count): template bursts, where the count
@@ -77,7 +79,7 @@ class PageFrequencies:
         curve = self._curves[part]
         curve.observe(before, sketch.halvings)
         if tuner is not None:
-            tuner.follow(self.eviction.reach(part))
+            tuner.follow(self.capacity.reach(part))
             window = self.window_of(workload_class)
             if tuner.observe(keys, before, sampled, curve.p, window, now):
                 self.eviction.policies[part].set_reuse_weight(tuner.weight)

@@ -2,10 +2,11 @@
 
 :class:`PagePool` is a facade over parts it composes, each with its state and its invariants:
 :mod:`.pages` (the page table: I1, I2, I4), :mod:`.eviction` (I5, I7, the counters), :mod:`.pins`
-(I6), :mod:`.sequences` (the live sequences, I2's publishing) and :mod:`.frequencies` (page counts
-and the self-tuners, an observer). The parts read a :class:`~.records.PoolSettings`, not the spec.
-The facade holds admission and release, the all-or-nothing rule (I8: a call that raises leaves the
-pool as it was) and I9 (no leaks).
+(I6), :mod:`.sequences` (the live sequences, I2's publishing), :mod:`.growth` (their pages taken as
+their saves come, admission by evidence), :mod:`.capacity` (what a partition could get: the admission
+checks) and :mod:`.frequencies` (page counts and the self-tuners, an observer). The parts read a
+:class:`~.records.PoolSettings`, not the spec. The facade holds admission and release, the
+all-or-nothing rule (I8: a call that raises leaves the pool as it was) and I9 (no leaks).
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from kvpool_sidecar.keys import (
     turn_bucket,
 )
 from kvpool_sidecar.policies import EvictionPolicy, PolicyContext, PolicyFactory, make_policy
+from kvpool_sidecar.pool.capacity import Capacity
 from kvpool_sidecar.pool.eviction import Eviction
 from kvpool_sidecar.pool.frequencies import PageFrequencies
+from kvpool_sidecar.pool.growth import Growth
 from kvpool_sidecar.pool.handover import Handover
 from kvpool_sidecar.pool.pages import PageTable
 from kvpool_sidecar.pool.pins import Pinning
@@ -101,11 +104,14 @@ class PagePool:
         self.clock = clock
         self.table = PageTable(total_pages)
         self.eviction = Eviction(self.table, [], settings)
-        self.frequencies = PageFrequencies(self.eviction)
+        self.capacity = Capacity(self.table, self.eviction)
+        self.frequencies = PageFrequencies(self.eviction, self.capacity)
         self.pinning = Pinning(self.table, self.eviction, settings)
-        self.sequences = SequenceTable(self.table, self.eviction, self.pinning, self.page_size, max_sequences,
-                                       max_sequence_tokens)
+        self.sequences = SequenceTable(self.table, self.eviction, self.capacity, self.pinning, self.page_size,
+                                       max_sequences, max_sequence_tokens)
         self.model = ReuseModel(spec)
+        self.growth = Growth(self.table, self.eviction, self.capacity, self.pinning, self.sequences,
+                             self.frequencies, self.model, self.page_size)
         self._fixed_factory = policy_factory
         self.eviction.policies[:] = [self._new_policy(spec, i) for i in range(len(PARTITIONS))]
         self._salts: dict[str, bytes] = {}
@@ -114,7 +120,6 @@ class PagePool:
         self.hit_tokens = 0
         self.lookup_tokens = 0
         self.observer_errors = 0  # observers (statistics, tuners) that raised; the pool stayed exact
-        self.evidence_refused = 0  # pages grows did not take: the victim's evidence outweighed theirs
         self._apply(spec, settings)
 
     def _apply(self, spec: KVCachePolicySpec, settings: PoolSettings) -> None:
@@ -122,6 +127,7 @@ class PagePool:
         self.eviction.configure(settings)
         self.pinning.configure(settings)
         self.frequencies.configure(settings)
+        self.growth.configure(settings)
         self.spec = spec
 
     def _new_policy(self, spec: KVCachePolicySpec, part: int) -> EvictionPolicy:
@@ -251,8 +257,8 @@ class PagePool:
         hits = self.table.cached_prefix(keys)
         need = -(-n // ps) - len(hits) if allocate else 0
         part = 1 if meta.workload_class == TO_B and eviction.caps[1] > 0 else 0  # partition_of, inlined
-        if need > 0 and not eviction.surely_obtainable(part, need, len(hits)):
-            obtainable = eviction.obtainable(part, hits)
+        if need > 0 and not self.capacity.surely_obtainable(part, need, len(hits)):
+            obtainable = self.capacity.obtainable(part, hits)
             if need > obtainable:
                 raise PoolExhausted(need, obtainable, PARTITIONS[part])
         # From here on nothing raises (I8): statistics and tuners are observers (see _observe).
@@ -280,58 +286,7 @@ class PagePool:
         """Pages for the sequence's keys up to ``num_tokens`` (whole pages) past those it holds, taken now
         (evicting as :meth:`admit` does): as many as its partition can get, maybe none (never raises for
         want of room: a save that finds no page is skipped). Returns the pages added, in key order."""
-        now = self.clock() if now is None else now
-        seq = self.sequences.get(seq_id)
-        if num_tokens < 0:
-            raise InvalidRequest("num_tokens must be at least 0", "num_tokens")
-        need = min(num_tokens // self.page_size, len(seq.keys)) - len(seq.pages)
-        if need <= 0:
-            return []
-        if self.pinning.due(now):
-            self.pinning.expire(now)
-        eviction = self.eviction
-        if not eviction.surely_obtainable(seq.partition, need, 0):
-            need = min(need, eviction.obtainable(seq.partition, []))
-            if need <= 0:
-                return []
-        start = len(seq.pages)
-        if self.settings.by_evidence:
-            pages = self._allocate_by_evidence(seq, need, now)
-        else:
-            pages = eviction.allocate(seq.partition, need, now)
-        if not pages:
-            return []
-        self.sequences.grow(seq, pages)
-        if seq.counts is not None and self.frequencies.counting:
-            self.frequencies.assign(pages, seq.counts[start : start + need])
-        return pages
-
-    def _allocate_by_evidence(self, seq: SeqState, need: int, now: float) -> list[int]:
-        """Up to ``need`` pages for ``seq``, one at a time, stopping before a victim that came back (a
-        request hit it since it was cached) and whose class comes back more often than ``seq``'s: a page
-        with no evidence of reuse does not evict one with it. The evidence is the reuse model's
-        probability that a released page is reused, by class: a class it has not seen yet is at the
-        prior, so nothing is refused before the classes differ. The pages it stops short of are counted
-        (``evidence_refused``)."""
-        eviction = self.eviction
-        table = self.table
-        part = seq.partition
-        params = self.model.params
-        own = params(seq.klass)[0]
-        odds: dict[Hashable, float] = {}
-        pages: list[int] = []
-        while len(pages) < need:
-            victim = eviction.next_victim(part, now)
-            if victim is not None and table.reused[victim]:
-                klass = table.klass[victim]
-                p = odds.get(klass)
-                if p is None:
-                    p = odds[klass] = params(klass)[0]
-                if p > own:
-                    self.evidence_refused += need - len(pages)
-                    break
-            pages += eviction.allocate(part, 1, now)
-        return pages
+        return self.growth.grow(seq_id, num_tokens, self.clock() if now is None else now)
 
     def _observe(self, observer: Callable[..., Any], *args: object) -> Any:
         """Feed an observer of pool events (the reuse model, the sketch, the tuners): it may fail, the
@@ -387,7 +342,7 @@ class PagePool:
         in_use = t.in_use
         free = len(t.free)
         parts = {
-            name: PartitionStats(ev.caps[i], ev.owned[i], len(ev.policies[i]), ev.borrowed(i))
+            name: PartitionStats(ev.caps[i], ev.owned[i], len(ev.policies[i]), self.capacity.borrowed(i))
             for i, name in enumerate(PARTITIONS)
         }
         return PoolStats(
@@ -499,3 +454,8 @@ class PagePool:
     @property
     def evictions(self) -> int:
         return self.eviction.evictions
+
+    @property
+    def evidence_refused(self) -> int:
+        """Pages grows did not take: the victim's evidence outweighed theirs (:mod:`.growth`)."""
+        return self.growth.evidence_refused

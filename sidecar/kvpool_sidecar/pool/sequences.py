@@ -15,6 +15,7 @@ from kvpool_sidecar.errors import (
     UnknownSequence,
 )
 from kvpool_sidecar.policies import NO_PAGE
+from kvpool_sidecar.pool.capacity import Capacity
 from kvpool_sidecar.pool.eviction import Eviction
 from kvpool_sidecar.pool.pages import PageTable
 from kvpool_sidecar.pool.pins import Pinning
@@ -25,10 +26,11 @@ class SequenceTable:
     """The live sequences of a :class:`~kvpool_sidecar.pool.PagePool`: they hold pages of the
     :class:`~.pages.PageTable` (its refcounts), which the :class:`~.eviction.Eviction` hands out."""
 
-    def __init__(self, table: PageTable, eviction: Eviction, pinning: Pinning, page_size: int,
+    def __init__(self, table: PageTable, eviction: Eviction, capacity: Capacity, pinning: Pinning, page_size: int,
                  max_sequences: int | None, max_sequence_tokens: int | None) -> None:
         self.table = table
         self.eviction = eviction
+        self.capacity = capacity
         self.pinning = pinning
         self.page_size = page_size
         self.max_sequences = max_sequences
@@ -104,7 +106,7 @@ class SequenceTable:
         self.check_length(seq.num_tokens + num_new_tokens, "num_new_tokens")
         need = -(-(seq.num_tokens + num_new_tokens) // self.page_size) - len(seq.pages)
         if need > 0:
-            obtainable = self.eviction.obtainable(seq.partition, [])
+            obtainable = self.capacity.obtainable(seq.partition, [])
             if need > obtainable:
                 raise PoolExhausted(need, obtainable, PARTITIONS[seq.partition])
             new = self.eviction.allocate(seq.partition, need, now)
@@ -134,7 +136,7 @@ class SequenceTable:
         full = seq.num_tokens // ps
         partial = len(seq.pages) > full
         if partial:
-            obtainable = self.eviction.obtainable(seq.partition, [])
+            obtainable = self.capacity.obtainable(seq.partition, [])
             if obtainable < 1:
                 raise PoolExhausted(1, obtainable, PARTITIONS[seq.partition])
         shared = seq.pages[:full]
