@@ -139,15 +139,17 @@ def test_a_takeover_waits_for_the_old_pools_writers_and_refuses_to_start_past_it
     try:
         fence = old.open_fence()
         engine = KVStorage.attach(old.handle())
+        other = KVStorage.attach(old.handle())  # another mapping of the session (a second worker)
         started, gate = threading.Event(), threading.Event()
         writer = _stalled_write(engine, fence, started, gate, page=2)
         assert started.wait(5)
         old.close()  # a graceful exit: the segment stays for the successor (stamped dead)
         with pytest.raises(WritersStillActive, match="still in the middle of a copy"):
             KVStorage(SHAPE, PS, pages=4, shared=True, instance=instance, takeover_wait=0.2)
-        with pytest.raises(StaleHandle):  # the refused restart stamped a new epoch: later slices refuse
-            with engine.writing(fence):
+        with pytest.raises(StaleHandle):  # the refused restart stamped a new epoch: later slices refuse,
+            with other.writing(fence):  # while the stalled one is still in its slice
                 pass
+        other.close()
         gate.set()
         writer.join(5)
         new = KVStorage(SHAPE, PS, pages=4, shared=True, instance=instance, takeover_wait=5)
