@@ -1061,3 +1061,22 @@ def test_the_policy_maps_lora_adapters_to_tenants_and_classes_and_a_live_edit_mo
         assert result != "applied" and field == "workloads.adapters.0.workloadClass", (result, error, field)
         assert sidecar.state.config.workloads.adapter_rule("support-bot").workloadClass == "toC"
         link.close()
+
+
+def test_a_request_preempted_before_its_pages_came_then_aborted_never_saves_the_freed_blocks():
+    """Its grow misses the step's wait; the engine preempts it (its blocks go to other requests at once),
+    then the client aborts it: no later plan saves those blocks under its prompt's keys, and its pages go
+    back to the pool (a save of reused blocks would publish another request's KV under this prompt)."""
+    path, live = sidecar_with_channel()
+    with live as (_, sidecar):
+        side = ShortSteps(SidecarLink(path, hello()), PS, session="s1", lookup_wait=0.5)
+        wait_for(side, "r", hashes(3), 13, 0, None)
+        side.allocated("r", [1, 2, 3, 0], 0)
+        assert side.plan([("r", [1, 2, 3, 0], True, 0, 13)]).saves == []  # the grow not answered in time
+        side.plan([], preempted={"r"})  # vLLM freed blocks 1, 2, 3, 0
+        side.finished("r")  # the client aborts it while preempted
+        later = side.plan([])
+        assert later.saves == [] and "r" not in later.coming
+        settle(side.link, sidecar, lambda sc: sc.pool.stats().sequences == 0)
+        assert sidecar.pool.stats().unwritten_pages == 0
+        side.link.close()

@@ -197,7 +197,9 @@ def test_a_hint_is_vllms_remote_kv_source_and_a_malformed_one_is_no_hint():
     assert peer_source(hint(remote_host="[::1]", remote_port="8300")) == wire.Source("::1", 8300)
     for bad in (None, {}, {"remote_kv_source": "h:1"}, hint(remote_host="h"), hint(remote_host="h", remote_port=0),
                 hint(remote_host="", remote_port=1), hint(remote_host="h", remote_port=True),
-                hint(remote_host="h" * 254, remote_port=1), hint(remote_host="h", remote_port=70000)):
+                hint(remote_host="h" * 254, remote_port=1), hint(remote_host="h", remote_port=70000),
+                # digits int() refuses (a client's body must never raise in the engine's scheduler)
+                hint(remote_host="h", remote_port="\u00b2"), hint(remote_host="h", remote_port="9" * 5000)):
         assert peer_source(bad) is None, bad
 
 

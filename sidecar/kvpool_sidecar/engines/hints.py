@@ -28,7 +28,7 @@ def peer_source(params: dict[str, Any] | None) -> wire.Source | None:
     if not isinstance(hint, dict):
         return None
     host, port = hint.get("remote_host"), hint.get("remote_port")
-    if isinstance(port, str) and port.isdigit():
+    if isinstance(port, str) and port.isascii() and port.isdigit() and len(port) <= 5:  # not "²", not 5000 digits
         port = int(port)
     if not isinstance(host, str) or not 0 < len(host) <= MAX_HOST or isinstance(port, bool) or \
             not isinstance(port, int) or not 0 < port < 65536:

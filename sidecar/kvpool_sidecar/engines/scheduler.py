@@ -257,6 +257,10 @@ class SchedulerSide:
         wait_until = self._start_step(len(scheduled))
         plan = StepPlan(self._step, preempted=set(preempted or ()), released=self._released)
         self._released = set()
+        for req_id in plan.preempted:  # its blocks are freed and reused at once: no later plan may save them
+            req = self._requests.get(req_id)
+            if req is not None:
+                req.save_failed, req.blocks = True, []
         pending: list[tuple[str, Request, int | None]] = []
         saving = not self.backlogged
         live = self.link.generation  # the connection this plan's admissions must live on
