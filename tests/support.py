@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import socket
@@ -51,7 +52,8 @@ def live_sidecar(
         )
     sidecar = Sidecar(config, pages, config_path=config_path, storage=storage, transfer_keys=transfer_keys,
                       **limits)
-    sidecar.mark_config_file_read()
+    sidecar.mark_config_file_read(
+        hashlib.sha256(config_path.read_bytes()).hexdigest() if config_path and config_path.exists() else None)
     app = create_app(sidecar, token=token, poll_interval=poll_interval, pre_evict_interval=pre_evict_interval,
                      engine_socket=engine_socket, engine_quarantine=engine_quarantine,
                      peers=None if peers is None else Peers(sidecar, transfer_keys, members=peers))

@@ -175,7 +175,7 @@ def _post_warning(namespace: str, name: str, uid: str | None, reason: str, messa
 def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, status: kopf.Status, name: str, namespace: str,
               patch: kopf.Patch, reason: kopf.Reason, logger: logging.Logger, **_: Any) -> None:
     handler = str(getattr(reason, "value", reason))  # create, update or resume
-    with metrics.handling(handler):
+    with SEEN.lock_for((namespace, name)), metrics.handling(handler):  # one writer of a policy at a time
         previous = dict(status)
         try:
             new_status = _sync(name, namespace, dict(meta), dict(spec), previous)
@@ -199,6 +199,17 @@ class Seen:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._bodies: dict[tuple[str, str], dict[str, Any]] = {}
+        self._writers: dict[tuple[str, str], threading.Lock] = {}
+
+    def lock_for(self, key: tuple[str, str]) -> threading.Lock:
+        """The lock each writer of a policy's ConfigMap, status or series holds (the handlers, the resync,
+        a deletion's clean-up): one at a time, each from the policy as last seen."""
+        with self._lock:
+            return self._writers.setdefault(key, threading.Lock())
+
+    def get(self, key: tuple[str, str]) -> dict[str, Any] | None:
+        with self._lock:
+            return self._bodies.get(key)
 
     def update(self, event: kopf.RawEvent) -> tuple[str, str]:
         body = dict(event.get("object") or {})
@@ -223,9 +234,10 @@ SEEN = Seen()
 def seen(event: kopf.RawEvent, **_: Any) -> None:
     """Every watch event keeps :data:`SEEN` current; a deleted policy's series go with it (a watch event, not
     a delete handler: no finalizer)."""
-    namespace, name = SEEN.update(event)
+    key = SEEN.update(event)
     if event.get("type") == "DELETED":
-        metrics.forget(namespace, name)
+        with SEEN.lock_for(key):  # after a resync round that had begun on it
+            metrics.forget(*key)
 
 
 def resync_all() -> None:
@@ -233,22 +245,31 @@ def resync_all() -> None:
     handlers have seen is synced again (its ConfigMap rewritten only where it drifted) and its status
     refreshed."""
     api = kubernetes.client.CustomObjectsApi()
-    for item in SEEN.snapshot():
-        meta, status = item.get("metadata") or {}, item.get("status") or {}
-        if meta.get("deletionTimestamp") or status.get("observedGeneration") != meta.get("generation"):
-            continue  # going, or the change handler has yet to run on this generation
-        name, namespace = meta.get("name", ""), meta.get("namespace", "")
-        try:
-            with metrics.handling("resync"):
-                try:
-                    new_status = _sync(name, namespace, meta, item.get("spec") or {}, status)
-                except ConfigError:
-                    metrics.invalid_spec("resync")  # still refused: counted at every resync until it is fixed
-                    continue
-                api.patch_namespaced_custom_object_status(API_GROUP, API_VERSION, namespace, PLURAL, name,
-                                                          {"status": metrics.publish(namespace, name, new_status)})
-        except Exception:  # counted by metrics.handling; the next policy and the next round go on
-            log.exception("resync of %s/%s failed", namespace, name)
+    for listed in SEEN.snapshot():
+        key = (str((listed.get("metadata") or {}).get("namespace") or ""),
+               str((listed.get("metadata") or {}).get("name") or ""))
+        with SEEN.lock_for(key):
+            item = SEEN.get(key)  # as last seen now, not when the round began (a policy's sync takes seconds)
+            if item is None:
+                continue  # deleted meanwhile
+            meta, status = item.get("metadata") or {}, item.get("status") or {}
+            if meta.get("deletionTimestamp") or status.get("observedGeneration") != meta.get("generation"):
+                continue  # going, or the change handler has yet to run on this generation
+            namespace, name = key
+            try:
+                with metrics.handling("resync"):
+                    try:
+                        new_status = _sync(name, namespace, meta, item.get("spec") or {}, status)
+                    except ConfigError:
+                        metrics.invalid_spec("resync")  # still refused: counted at every resync until fixed
+                        continue
+                    written = api.patch_namespaced_custom_object_status(API_GROUP, API_VERSION, namespace, PLURAL,
+                                                                        name, {"status": new_status})
+                    if isinstance(written, dict):  # the next round starts from it, whether or not its event is in
+                        SEEN.update({"type": "MODIFIED", "object": written})
+                    metrics.publish(namespace, name, new_status)  # once written: a failed patch publishes nothing
+            except Exception:  # counted by metrics.handling; the next policy and the next round go on
+                log.exception("resync of %s/%s failed", namespace, name)
 
 
 class Resync:

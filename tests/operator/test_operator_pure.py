@@ -315,3 +315,39 @@ def test_the_resync_is_a_thread_of_its_own_every_interval_until_stopped(monkeypa
     assert rounds.acquire(timeout=5) and rounds.acquire(timeout=5)  # round after round
     resync.stop()
     assert resync._thread is not None and not resync._thread.is_alive()
+
+
+def test_the_resync_works_from_each_policy_as_last_seen_not_as_its_round_began(monkeypatch):
+    """A round takes seconds per policy (scrapes): a spec changed meanwhile (its change handler has written
+    the new ConfigMap) or a policy deleted meanwhile is not synced from the round's old copy, which would
+    roll the ConfigMap back and write a stale observedGeneration that no later round would ever fix."""
+    import kubernetes
+    import kvpool_operator.handlers as handlers
+
+    def body(generation: int, observed: int) -> dict:
+        return {"metadata": {"namespace": "llm", "name": "chat", "generation": generation, "uid": "u"},
+                "spec": {"pageSize": 16}, "status": {"observedGeneration": observed}}
+
+    seen = handlers.Seen()
+    monkeypatch.setattr(handlers, "SEEN", seen)
+    synced, patched = [], []
+    monkeypatch.setattr(handlers, "_sync", lambda name, ns, meta, spec, status: synced.append(meta["generation"])
+                        or {"observedGeneration": meta["generation"]})
+
+    class Api:
+        def patch_namespaced_custom_object_status(self, *args):
+            patched.append(args[-1]["status"]["observedGeneration"])
+
+    monkeypatch.setattr(kubernetes.client, "CustomObjectsApi", Api)
+    seen.update({"type": "ADDED", "object": body(1, 1)})
+    round_began = seen.snapshot()
+    monkeypatch.setattr(seen, "snapshot", lambda: round_began)
+    seen.update({"type": "MODIFIED", "object": body(2, 1)})  # the spec changed; its handler is under way
+    handlers.resync_all()
+    assert synced == [] and patched == []
+    seen.update({"type": "MODIFIED", "object": body(2, 2)})  # the handler's status is in
+    handlers.resync_all()
+    assert synced == [2] and patched == [2]
+    seen.update({"type": "DELETED", "object": body(2, 2)})
+    handlers.resync_all()
+    assert synced == [2]

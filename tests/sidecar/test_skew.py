@@ -245,3 +245,30 @@ def test_a_deleted_policys_running_sidecar_keeps_its_config_and_a_new_one_starts
         running.close()
     with pytest.raises(ServeError, match="neither the file nor its directory"):
         build(ServeOptions(config=str(tmp_path / "typo" / "config.yaml"), pages=64, engine_socket=None))
+
+
+def test_a_config_that_appears_while_a_sidecar_starts_on_the_defaults_is_applied(tmp_path, monkeypatch):
+    """Policy and pods applied together: the sidecar reads no file and starts on the defaults, and the
+    kubelet projects the ConfigMap while the pool is still being set up. The file's content is not taken
+    as already applied: the next poll applies it (else the pod stays on the defaults, never synced)."""
+    from kvpool_sidecar.service import server
+    from support import kubelet_projection
+
+    root = tmp_path / "kvpool"
+    root.mkdir()
+    text, digest = as_written(rendered({**SPEC, "pageSize": SidecarConfig().pageSize}))  # one a live reload takes
+    started = server.initial_config
+
+    def then_projected(path):
+        config = started(path)
+        kubelet_projection(root, text, 1)  # after the read, before the sidecar is built
+        return config
+
+    monkeypatch.setattr(server, "initial_config", then_projected)
+    sidecar, _ = server.build(server.ServeOptions(config=str(root / "config.yaml"), pages=64, engine_socket=None))
+    try:
+        assert sidecar.state.config == SidecarConfig()
+        assert sidecar.poll_config_file(settled=True) == "applied", sidecar.state.last_error
+        assert sidecar.state.hash == digest
+    finally:
+        sidecar.close()

@@ -149,14 +149,16 @@ class ConfigReloads:
             log.warning("%s", ignored)
             self.state.notice = f"{self.state.notice}; {ignored}" if self.state.notice else ignored
 
-    def mark_config_file_read(self) -> None:
-        """The file's current content is what the sidecar started with: do not 'reload' it. An absent file
-        (no policy's ConfigMap in the optional volume): the sidecar runs on the defaults until it appears."""
+    def mark_config_file_read(self, digest: str | None) -> None:
+        """The sidecar started on the file whose bytes hash to ``digest``: those are not 'reloaded', and a
+        file that differs (written since it was read) is applied at the next poll. None: it started on the
+        defaults, the file absent (no policy's ConfigMap in the optional volume); it is applied once it
+        appears, even if that was a moment ago."""
         if self.config_path is None:
             return
-        try:
-            self.state.file_digest = hashlib.sha256(self.config_path.read_bytes()).hexdigest()
-        except FileNotFoundError:
+        if digest is not None:
+            self.state.file_digest = digest
+        elif not self.config_path.exists():
             self._file_gone()
 
     def _file_gone(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import socket
@@ -11,7 +12,7 @@ from pathlib import Path
 import uvicorn
 from prometheus_client import start_http_server
 
-from kvpool_sidecar.config import SidecarConfig, load_config
+from kvpool_sidecar.config import SidecarConfig, parse_config_text
 from kvpool_sidecar.errors import InvalidRequest
 from kvpool_sidecar.peers.keys import TransferKeys
 from kvpool_sidecar.peers.node import REFRESH_SECONDS, Peers, parse_peers
@@ -116,18 +117,21 @@ def parse_shape(text: str) -> ModelShape:
         raise ServeError(f"--kv-shape: {exc}") from None
 
 
-def initial_config(path: str | None) -> SidecarConfig:
-    """The config a sidecar starts on: its ``--config`` file, or the defaults where that file is absent
-    from a directory that is there (a pod whose policy is deleted, or not yet rendered: its optional
-    ConfigMap volume is empty). The file, once it appears, is applied like any reload. A directory that is
-    not there is a mistyped path: refused."""
+def initial_config(path: str | None) -> tuple[SidecarConfig, str | None]:
+    """The config a sidecar starts on, and the digest of the file's bytes it was parsed from: its
+    ``--config`` file, or the defaults (no digest) where that file is absent from a directory that is there
+    (a pod whose policy is deleted, or not yet rendered: its optional ConfigMap volume is empty). The file,
+    once it appears, is applied like any reload. A directory that is not there is a mistyped path: refused.
+    The bytes are read once, so the digest is of what was applied, whatever the file holds a moment later."""
     if not path:
-        return SidecarConfig()
-    if not Path(path).exists():
+        return SidecarConfig(), None
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
         if not Path(path).absolute().parent.is_dir():
-            raise ServeError(f"--config {path}: neither the file nor its directory exists")
-        return SidecarConfig()  # reloads.mark_config_file_read logs it and sets kvpool_config_file_missing
-    return load_config(path)
+            raise ServeError(f"--config {path}: neither the file nor its directory exists") from None
+        return SidecarConfig(), None  # reloads.mark_config_file_read logs it and sets kvpool_config_file_missing
+    return parse_config_text(data.decode()), hashlib.sha256(data).hexdigest()
 
 
 def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
@@ -137,7 +141,7 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
         raise ServeError(f"--engine-socket {options.engine_socket}: another process serves it (a second sidecar "
                          "on this host needs its own path)")
     token = read_credentials(options)
-    config = initial_config(options.config)
+    config, digest = initial_config(options.config)
     try:
         check_prompts_fit(config.spec(), options.pages)
     except InvalidRequest as exc:
@@ -160,7 +164,7 @@ def build(options: ServeOptions) -> tuple[Sidecar, Credentials | None]:
     sidecar = Sidecar(config, options.pages, config_path=options.config, storage=storage, transfer_keys=keys,
                       max_sequences=options.max_sequences, max_sequence_tokens=options.max_sequence_tokens,
                       max_pins_per_owner=options.max_pins_per_owner)
-    sidecar.mark_config_file_read()
+    sidecar.mark_config_file_read(digest)
     return sidecar, token
 
 
