@@ -16,7 +16,9 @@ This module is the contract only (types, limits, framing); the sidecar serves it
 
 from __future__ import annotations
 
+import asyncio
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -191,6 +193,19 @@ def frame_length(header: bytes, limit: int = MAX_FRAME) -> int:
     if n > limit:
         raise WireError(f"frame of {n} bytes: the limit is {limit}")
     return n
+
+
+async def read_frame(reader: asyncio.StreamReader, limit: int,
+                     length: Callable[[bytes, int], int] = frame_length) -> bytes | None:
+    """The next length-prefixed frame's body (``length`` checks its header against ``limit``: this
+    channel's, or another protocol's framed the same way), or None at a clean end of the stream."""
+    try:
+        header = await reader.readexactly(4)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise
+        return None
+    return await reader.readexactly(length(header, limit))
 
 
 def decode(body: bytes) -> Message:

@@ -16,6 +16,7 @@ import logging
 import secrets
 from typing import Any
 
+from kvpool_sidecar import wire
 from kvpool_sidecar.peers import protocol as p
 from kvpool_sidecar.peers.agent import PeerAgent
 from kvpool_sidecar.peers.host import PoolHost, meta_of, pool_keys
@@ -182,11 +183,6 @@ def _release(host: PoolHost, seq: str) -> None:
 
 
 async def _read(reader: asyncio.StreamReader, limit: int) -> Any:
-    """The next message, or None at a clean end of the stream."""
-    try:
-        header = await reader.readexactly(4)
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
-            raise
-        return None
-    return p.decode(await reader.readexactly(p.frame_length(header, limit)))
+    """The next message, or None at a clean end of the stream (framed as the engine channel's frames)."""
+    body = await wire.read_frame(reader, limit, p.frame_length)
+    return None if body is None else p.decode(body)

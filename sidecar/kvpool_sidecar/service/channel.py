@@ -475,21 +475,11 @@ def socket_in_use(path: Path) -> bool:
 
 async def _read(reader: asyncio.StreamReader) -> wire.Message | None:
     """The next message, or None at a clean end of the stream."""
-    body = await _read_frame(reader, wire.MAX_FRAME)
+    body = await wire.read_frame(reader, wire.MAX_FRAME)
     return None if body is None else wire.decode(body)
 
 
 async def _read_hello(reader: asyncio.StreamReader) -> wire.Hello | None:
     """The first message, which must be a hello: read with the small cap, decoded as nothing else."""
-    body = await _read_frame(reader, wire.MAX_HELLO)
+    body = await wire.read_frame(reader, wire.MAX_HELLO)
     return None if body is None else wire.decode_hello(body)
-
-
-async def _read_frame(reader: asyncio.StreamReader, limit: int) -> bytes | None:
-    try:
-        header = await reader.readexactly(4)
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
-            raise
-        return None
-    return await reader.readexactly(wire.frame_length(header, limit))
