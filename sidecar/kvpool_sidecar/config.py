@@ -115,8 +115,8 @@ class Eviction(StrictModel):
     weights: Weights = Field(default_factory=Weights)
     selfTuning: SelfTuning = Field(default_factory=SelfTuning)
     admitByEvidence: bool = Field(default=True, description=(
-        "an engine's save does not evict a page that came back for a request whose class comes back less "
-        "often than that page's; off: a save evicts whatever the policy names"))
+        "shares protect only pages of classes seen coming back, which saves of other classes do not evict; "
+        "off: a share protects whatever fills it and a save evicts whatever the policy names"))
 
 
 class ToCWorkload(StrictModel):

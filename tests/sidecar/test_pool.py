@@ -645,3 +645,60 @@ def test_a_save_without_reuse_evidence_does_not_evict_a_page_that_came_back(by_e
     else:
         assert len(grown) == 2 and pool.evidence_refused == 0
         assert pool.lookup(block_hashes=prefix, meta=toc) < 4 * PS
+
+
+def flood_beside_a_prefix(tob_returns: bool, by_evidence: bool = True) -> tuple[PagePool, list[str]]:
+    """A pool of 8 pages, to-B's share 4: to-C's 4-page prefix saved and come back, then to-B's share
+    filled by two 2-page prompts that (``tob_returns``) one of which comes back, or never do."""
+    pool = make_pool(8, workloads={"toB": {"isolationPercent": 50}}, learning={"minSamples": 1},
+                     eviction={"policy": "lru", "admitByEvidence": by_evidence})
+    toc, tob = WorkloadMeta(workload_class="toC"), WorkloadMeta(workload_class="toB")
+    prefix = [f"p{i}" for i in range(4)]
+    assert len(saved_later(pool, "p", prefix, toc)) == 4
+    assert saved_later(pool, "p-again", prefix, toc) == []  # it comes back
+    for i in range(2):
+        assert len(saved_later(pool, f"b{i}", [f"b{i}-0", f"b{i}-1"], tob)) == 2
+    if tob_returns:
+        assert saved_later(pool, "b0-again", ["b0-0", "b0-1"], tob) == []
+    assert pool.stats().free_pages == 0
+    return pool, prefix
+
+
+@pytest.mark.parametrize("by_evidence", [True, False])
+def test_to_bs_share_protects_only_pages_of_a_class_that_comes_back(by_evidence):
+    """to-B's share holds a flood nobody sends again; to-C needs two pages. With the rule the flood's
+    pages (no claim) go before to-C's prefix, which came back; without it (admitByEvidence off) the
+    share holds the flood and to-C evicts its own prefix."""
+    pool, prefix = flood_beside_a_prefix(tob_returns=False, by_evidence=by_evidence)
+    toc = WorkloadMeta(workload_class="toC")
+    assert len(saved_later(pool, "c", ["c-0", "c-1"], toc)) == 2
+    if by_evidence:
+        assert pool.lookup(block_hashes=prefix, meta=toc) == 4 * PS
+        assert pool.eviction.evictions_by == {("toB", "unclaimed"): 2}
+    else:
+        assert pool.lookup(block_hashes=prefix, meta=toc) < 4 * PS
+        assert pool.eviction.evictions_by == {("toC", "capacity"): 2}
+
+
+def test_to_bs_share_keeps_pages_of_a_class_that_comes_back():
+    """The same, but to-B's prompts come back: its share holds, and to-C evicts its own prefix's tail."""
+    pool, prefix = flood_beside_a_prefix(tob_returns=True)
+    toc, tob = WorkloadMeta(workload_class="toC"), WorkloadMeta(workload_class="toB")
+    assert len(saved_later(pool, "c", ["c-0", "c-1"], toc)) == 2
+    assert pool.lookup(block_hashes=prefix, meta=toc) == 2 * PS
+    assert pool.lookup(block_hashes=["b1-0", "b1-1"], meta=tob) == 2 * PS  # never came back itself
+
+
+def test_a_flood_does_not_take_its_share_back_from_pages_that_come_back():
+    """Once to-C holds the flood's share, a flood save does not evict to-C's pages to take its share
+    back (they hold a claim, the flood none): it is refused; a to-B class that comes back gets its
+    share back, one eviction of to-C's per page."""
+    pool, prefix = flood_beside_a_prefix(tob_returns=False)
+    toc, tob = WorkloadMeta(workload_class="toC"), WorkloadMeta(workload_class="toB")
+    assert len(saved_later(pool, "c", ["c-0", "c-1"], toc)) == 2  # from the flood's share
+    assert saved_later(pool, "b2", ["b2-0", "b2-1"], tob) == []
+    assert pool.evidence_refused == 2
+    assert pool.lookup(block_hashes=prefix, meta=toc) == 4 * PS
+    assert saved_later(pool, "b1-again", ["b1-0", "b1-1"], tob) == []  # to-B's class comes back now
+    assert len(saved_later(pool, "b3", ["b3-0", "b3-1"], tob)) == 2
+    assert pool.eviction.evictions_by[("toC", "reclaimed")] == 2

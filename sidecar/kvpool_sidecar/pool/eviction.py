@@ -4,9 +4,10 @@ back in, allocation from the free stack, then eviction by each partition's polic
 One path takes victims: :meth:`Eviction._evict_batch` (bulk or one at a time, the leaf fast path
 inlined), which hands over to :meth:`Eviction._evict_with_descendants` when a victim has cached
 descendants (they go too, leaves first: I4). Owns I5 (a page in use or pinned is in no policy), I7
-(a class allocates and evicts only inside its partition) and the eviction counters (every evicted
-page is counted once, under one reason). How many pages a partition could get is :mod:`.capacity`'s
-count, by the rules of :meth:`Eviction.allocate`.
+(a class allocates and evicts only inside its partition), the eviction counters (every evicted
+page is counted once, under one reason). Which pages a partition's share protects is :mod:`.claims`'
+test; how many pages a partition could get is :mod:`.capacity`'s count, by the rules of
+:meth:`Eviction.allocate`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 from kvpool_sidecar.keys import workload_class_of
 from kvpool_sidecar.policies import NO_PAGE, EvictionPolicy
+from kvpool_sidecar.pool.claims import Claims
 from kvpool_sidecar.pool.pages import PageTable
 from kvpool_sidecar.pool.records import PARTITIONS, PoolSettings, SeqState
 
@@ -36,6 +38,7 @@ class Eviction:
         self.owned = [0, 0]  # pages in use or cached, by partition
         self.evictions = 0
         self.evictions_by: dict[tuple[str, str], int] = {}  # (partition, reason) -> pages
+        self.claims = Claims(table, self.policies)
         self.configure(settings)
 
     def configure(self, settings: PoolSettings) -> None:
@@ -172,20 +175,8 @@ class Eviction:
         else:
             pages = []
         rest = count - take
-        other = 1 - part
-        if rest and owned[part] < limit and owned[other] > self.caps[other]:
-            # The other partition holds pages past its share (borrowed, or a live resize shrank it): it
-            # gives them back, one eviction each (a cascade may free several at once), while it has
-            # evictable ones; the rest come from this partition's own, as :meth:`.Capacity.obtainable`
-            # counted them.
-            policy = self.policies[other]
-            while len(pages) < count and owned[part] < limit and (
-                free or (owned[other] > self.caps[other] and len(policy))
-            ):
-                if not free:
-                    self._evict_one(other, now, "reclaimed")
-                pages.append(free.pop())
-                owned[part] += 1
+        if rest and owned[part] < limit:
+            pages += self._reclaim(part, rest, now)
             rest = count - len(pages)
         for page in pages:
             part_of[page] = part
@@ -198,9 +189,34 @@ class Eviction:
             reused[page] = 0
         return pages
 
+    def _reclaim(self, part: int, want: int, now: float) -> list[int]:
+        """Up to ``want`` pages for ``part`` (below its limit) from the other partition, one eviction each
+        (a cascade may free several at once): its pages past its share (borrowed, or a live resize shrank
+        it) while it has evictable ones, then pages within its share while its next victim holds no
+        claim and ``part``'s own does. The rest come from ``part``'s own, as :meth:`.Capacity.obtainable`
+        counted them (a page taken here spares one of them)."""
+        free = self.table.free
+        owned = self.owned
+        limit = self.limits[part]
+        other = 1 - part
+        policy = self.policies[other]
+        pages: list[int] = []
+        while len(pages) < want and owned[part] < limit:
+            if not free:
+                if owned[other] > self.caps[other] and len(policy):
+                    self._evict_one(other, now, "reclaimed")
+                elif self.claims.takes_unclaimed(part, now):
+                    self._evict_one(other, now, "unclaimed")
+                else:
+                    break
+            pages.append(free.pop())
+            owned[part] += 1
+        return pages
+
     def next_victim(self, part: int, now: float) -> int | None:
         """The page that allocating one page to ``part`` would evict now (as :meth:`allocate` chooses:
-        a free page first, then the other partition's past its share, then ``part``'s own); None when
+        a free page first, then the other partition's past its share or without a claim, then ``part``'s
+        own); None when
         it would take a free page or none is evictable."""
         free = self.table.free
         owned = self.owned
@@ -208,7 +224,9 @@ class Eviction:
         if free and owned[part] < limit:
             return None
         other = 1 - part
-        if owned[part] < limit and owned[other] > self.caps[other] and len(self.policies[other]):
+        if owned[part] < limit and len(self.policies[other]) and (
+            owned[other] > self.caps[other] or self.claims.takes_unclaimed(part, now)
+        ):
             return self.policies[other].peek(now)
         policy = self.policies[part]
         return policy.peek(now) if len(policy) else None

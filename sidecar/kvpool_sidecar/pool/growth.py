@@ -6,37 +6,29 @@ to be written (an engine's save: the connector's *grow*), and the admission rule
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from kvpool_sidecar.errors import InvalidRequest
 from kvpool_sidecar.pool.capacity import Capacity
 from kvpool_sidecar.pool.eviction import Eviction
 from kvpool_sidecar.pool.frequencies import PageFrequencies
 from kvpool_sidecar.pool.pages import PageTable
 from kvpool_sidecar.pool.pins import Pinning
-from kvpool_sidecar.pool.records import PoolSettings, SeqState
+from kvpool_sidecar.pool.records import SeqState
 from kvpool_sidecar.pool.sequences import SequenceTable
-from kvpool_sidecar.workload import ReuseModel
 
 
 class Growth:
     """A pool's sequences growing into pages of their partition, as many as it can get."""
 
     def __init__(self, table: PageTable, eviction: Eviction, capacity: Capacity, pinning: Pinning,
-                 sequences: SequenceTable, frequencies: PageFrequencies, model: ReuseModel, page_size: int) -> None:
+                 sequences: SequenceTable, frequencies: PageFrequencies, page_size: int) -> None:
         self.table = table
         self.eviction = eviction
         self.capacity = capacity
         self.pinning = pinning
         self.sequences = sequences
         self.frequencies = frequencies
-        self.model = model
         self.page_size = page_size
-        self.by_evidence = False
         self.evidence_refused = 0  # pages grows did not take: the victim's evidence outweighed theirs
-
-    def configure(self, settings: PoolSettings) -> None:
-        self.by_evidence = settings.by_evidence
 
     def grow(self, seq_id: str, num_tokens: int, now: float) -> list[int]:
         """Pages for the sequence's keys up to ``num_tokens`` (whole pages) past those it holds, taken now
@@ -50,16 +42,12 @@ class Growth:
             return []
         if self.pinning.due(now):
             self.pinning.expire(now)
-        eviction = self.eviction
         if not self.capacity.surely_obtainable(seq.partition, need, 0):
             need = min(need, self.capacity.obtainable(seq.partition, []))
             if need <= 0:
                 return []
         start = len(seq.pages)
-        if self.by_evidence:
-            pages = self._allocate_by_evidence(seq, need, now)
-        else:
-            pages = eviction.allocate(seq.partition, need, now)
+        pages = self._allocate_by_evidence(seq, need, now)
         if not pages:
             return []
         self.sequences.grow(seq, pages)
@@ -68,28 +56,21 @@ class Growth:
         return pages
 
     def _allocate_by_evidence(self, seq: SeqState, need: int, now: float) -> list[int]:
-        """Up to ``need`` pages for ``seq``, one at a time, stopping before a victim that came back (a
-        request hit it since it was cached) and whose class comes back more often than ``seq``'s: a page
-        with no evidence of reuse does not evict one with it. The evidence is the reuse model's
-        probability that a released page is reused, by class: a class it has not seen yet is at the
-        prior, so nothing is refused before the classes differ. The pages it stops short of are counted
-        (``evidence_refused``)."""
+        """Up to ``need`` pages for ``seq``. When its class's pages have not been seen coming back (the
+        reuse model's evidence), one at a time, stopping before a victim that holds a claim
+        (:meth:`.Claims.claimed`: within its window, of a class that comes back): a page with no
+        evidence of reuse does not evict one with it. A class with none at all (a cold start) refuses
+        nothing. The pages it stops short of are counted (``evidence_refused``)."""
         eviction = self.eviction
-        table = self.table
         part = seq.partition
-        params = self.model.params
-        own = params(seq.klass)[0]
-        odds: dict[Hashable, float] = {}
+        claims = eviction.claims
+        if claims.fresh(seq.klass, now):
+            return eviction.allocate(part, need, now)
         pages: list[int] = []
         while len(pages) < need:
             victim = eviction.next_victim(part, now)
-            if victim is not None and table.reused[victim]:
-                klass = table.klass[victim]
-                p = odds.get(klass)
-                if p is None:
-                    p = odds[klass] = params(klass)[0]
-                if p > own:
-                    self.evidence_refused += need - len(pages)
-                    break
+            if victim is not None and claims.claimed(victim, now):
+                self.evidence_refused += need - len(pages)
+                break
             pages += eviction.allocate(part, 1, now)
         return pages

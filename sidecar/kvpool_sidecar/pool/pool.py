@@ -111,7 +111,7 @@ class PagePool:
                                        max_sequences, max_sequence_tokens)
         self.model = ReuseModel(spec)
         self.growth = Growth(self.table, self.eviction, self.capacity, self.pinning, self.sequences,
-                             self.frequencies, self.model, self.page_size)
+                             self.frequencies, self.page_size)
         self._fixed_factory = policy_factory
         self.eviction.policies[:] = [self._new_policy(spec, i) for i in range(len(PARTITIONS))]
         self._salts: dict[str, bytes] = {}
@@ -127,7 +127,8 @@ class PagePool:
         self.eviction.configure(settings)
         self.pinning.configure(settings)
         self.frequencies.configure(settings)
-        self.growth.configure(settings)
+        # eviction.admitByEvidence: a page's claim on its share and the saves' admission rest on the model
+        self.eviction.claims.comes_back = self.model.comes_back if settings.by_evidence else None
         self.spec = spec
 
     def _new_policy(self, spec: KVCachePolicySpec, part: int) -> EvictionPolicy:

@@ -179,7 +179,7 @@ class SidecarMetrics:
             self.shadow_hit_tokens.labels(klass)
             self.reuse_gap.labels(klass)
             self.drift_events.labels(klass)
-        for reason in ("capacity", "expired", "pre_eviction", "reclaimed"):
+        for reason in ("capacity", "expired", "pre_eviction", "reclaimed", "unclaimed"):
             for partition in ("toC", "toB"):
                 self.evicted_pages.labels(partition, reason)
         for result in ("applied", "unchanged", "invalid"):
@@ -269,8 +269,8 @@ class _PoolCollector(Collector):
             "in flight)", value=snap["unwritten"],
         )
         yield CounterMetricFamily(
-            "kvpool_evidence_refused_pages", "Pages an engine's saves did not take because the page they would "
-            "evict came back and its class comes back more often than theirs (eviction.admitByEvidence)",
+            "kvpool_evidence_refused_pages", "Pages an engine's saves did not take because their class's pages "
+            "have not been seen coming back and the page they would evict holds a claim (eviction.admitByEvidence)",
             value=snap["evidence_refused"])
         yield GaugeMetricFamily("kvpool_sequences", "Live sequences", value=snap["sequences"])
         yield CounterMetricFamily(
