@@ -57,7 +57,7 @@ from serve import BLOCK, Stack, build_mid_model, metric  # noqa: E402
 from tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa: E402
 from tiny_model import VOCAB, build_tiny_model  # noqa: E402
 
-SYSTEMS = ("vllm", "lmcache", "kvpool-lru", "kvpool")
+SYSTEMS = ("vllm", "lmcache", "kvpool-lru", "kvpool-iso0", "kvpool")
 
 
 def build_adapter(model: Path, folder: Path) -> Path:
@@ -167,6 +167,7 @@ async def drive(url: str, args: argparse.Namespace, doc: list[int], chats: list[
     limit = asyncio.Semaphore(args.concurrency)
     toc: list[tuple[float, int, int]] = []  # (ttft, cached, prompt length)
     doc_cached: list[int] = []
+    returns: list[tuple[int, int]] = []  # to-B's returns: (cached tokens, whole blocks of the prompt)
     done = {"n": 0}
     async with httpx.AsyncClient(timeout=600) as client:
         async def chat(turns: Turns, seen: list[int] | None = None) -> None:
@@ -203,8 +204,20 @@ async def drive(url: str, args: argparse.Namespace, doc: list[int], chats: list[
                     await one(client, url, "tob", prompt, args.output_len)
                 done["n"] += 1
 
+            async def send_again(prompt: list[int]) -> None:  # a return: what it found cached
+                async with limit:
+                    _, cached = await one(client, url, "tob", prompt, args.output_len)
+                returns.append((cached, (len(prompt) - 1) // BLOCK * BLOCK))
+                done["n"] += 1
+
             tasks = []
+            sent: set[tuple[int, ...]] = set()
             for at, prompt in sends:
+                if tuple(prompt) in sent:
+                    await asyncio.sleep(max(0.0, at - (time.monotonic() - start)))
+                    tasks.append(asyncio.create_task(send_again(prompt)))
+                    continue
+                sent.add(tuple(prompt))
                 await asyncio.sleep(max(0.0, at - (time.monotonic() - start)))
                 tasks.append(asyncio.create_task(send(prompt)))
             await asyncio.gather(*tasks)
@@ -218,14 +231,17 @@ async def drive(url: str, args: argparse.Namespace, doc: list[int], chats: list[
         "toc_cached": sum(c for _, c, _ in toc), "toc_prompt": sum(n for _, _, n in toc),
         "ttft_p50": statistics.median(ttfts), "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         "rps": done["n"] / wall, "doc_hits": sum(c >= whole_doc for c in doc_cached) / max(1, len(doc_cached)),
+        "returns": (sum(c for c, _ in returns) / sum(n for _, n in returns)) if returns else None,
     }
 
 
 def kvpool_config(system: str, model: Path, doc: list[int]) -> str:
     if system == "kvpool-lru":
         return f"pageSize: {BLOCK}\neviction: {{policy: lru}}\nworkloads: {{toB: {{isolationPercent: 0}}}}\n"
-    config = {"pageSize": BLOCK, "workloads": {"adapters": [{"adapter": "tob", "workloadClass": "toB"}]},
-              "pinning": {"prompts": [{"name": "document", "model": str(model), "tokens": doc}]}}
+    config: dict = {"pageSize": BLOCK, "workloads": {"adapters": [{"adapter": "tob", "workloadClass": "toB"}]},
+                    "pinning": {"prompts": [{"name": "document", "model": str(model), "tokens": doc}]}}
+    if system == "kvpool-iso0":  # as shipped, but one shared partition
+        config["workloads"]["toB"] = {"isolationPercent": 0}
     return json.dumps(config)
 
 
@@ -275,8 +291,8 @@ def main() -> int:
           f"{args.tob_len} tokens every {args.burst_every:g} s for {args.duration:g} s (a flood: {args.flood_clients} "
           "clients back to back)")
     print("| to-B | seed | system | to-C tokens cached | minus vLLM alone's | share of to-C's reusable "
-          "| 2nd-tier tokens | to-C TTFT p50 ms | p99 ms | req/s | document hits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| 2nd-tier tokens | to-C TTFT p50 ms | p99 ms | req/s | document hits | to-B returns cached |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for kind in kinds:
         args.tob = kind
         for rnd, seed in enumerate(int(s) for s in args.seeds.split(",")):
@@ -303,7 +319,8 @@ def main() -> int:
                 extra = f"{r['toc_cached'] - base['toc_cached']:,}" if base else "-"
                 print(f"| {kind} | {seed} | {system} | {r['toc_cached']:,} / {r['toc_prompt']:,} | {extra} | "
                       f"{r['toc_cached'] / reusable:.2f} of {reusable:,} | {int(r['external']):,} | "
-                      f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['rps']:.2f} | {100 * r['doc_hits']:.0f} % |",
+                      f"{r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | {r['rps']:.2f} | {100 * r['doc_hits']:.0f} % | "
+                      f"{'-' if r['returns'] is None else format(r['returns'], '.2f')} |",
                       flush=True)
     return 0
 

@@ -2,7 +2,9 @@
 prompts over shared prefixes beside a to-B flood of prompts never sent again (served with the LoRA adapter
 ``tob``, which the admin's mapping puts in the to-B class), ``--clients`` clients each, a tier smaller than
 to-C's prefixes. One run per seed of the kvpool importable here (run it again with another checkout first on
-``PYTHONPATH`` to compare two versions on the same traffic).
+``PYTHONPATH`` to compare two versions on the same traffic). ``--systems kvpool,lmcache`` runs LMCache's MP
+server (LRU, as ``bench/serve.py`` starts it, on the same bytes) beside it on the same prompts, one after the
+other in each seed, and prints each seed's tier tokens of kvpool over LMCache's.
 
     VLLM_CPU_OMP_THREADS_BIND=0 .venv/bin/python bench/save_pages.py --seeds 7,8
     VLLM_CPU_OMP_THREADS_BIND=0 .venv/bin/python bench/save_pages.py --policy lru --isolation 0 --evidence off
@@ -121,6 +123,7 @@ def main() -> int:
     ap.add_argument("--policy", default="", help="eviction.policy (default: the shipped one)")
     ap.add_argument("--isolation", type=float, default=None, help="workloads.toB.isolationPercent")
     ap.add_argument("--evidence", choices=("on", "off"), default="", help="eviction.admitByEvidence")
+    ap.add_argument("--systems", default="kvpool", help="kvpool, lmcache or both, comma-separated, in that order")
     ap.add_argument("--every", type=float, default=0.02, help="seconds between two samples of the stats")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="kvpool-save-pages-"))
@@ -146,36 +149,53 @@ def main() -> int:
           f"{args.prefix_len} (+{args.suffix_len}), to-B {args.prompts} x {args.tob_len} never sent again, "
           f"{args.clients} clients each, {args.output_len} tokens out")
     reusable = (args.prompts - args.prefixes) * args.prefix_len  # an upper bound: every prefix seen before
-    print("| seed | unwritten pages peak | mean | tier tokens | to-C cached tokens | share of to-C's reusable "
+    systems = args.systems.split(",")
+    if not systems or any(system not in ("kvpool", "lmcache") for system in systems):
+        ap.error("--systems: kvpool, lmcache or both, comma-separated")
+    print("| seed | system | unwritten pages peak | mean | tier tokens | to-C cached tokens | share of to-C's reusable "
           "| tokens saved | evictions | connector failures | pages refused by evidence | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for seed in (int(s) for s in args.seeds.split(",")):
         toc, tob = prompts(args, seed)
-        sys_work = work / f"seed-{seed}"
-        sys_work.mkdir()
-        stack = Stack("kvpool", args, model, TINY_KV_SHAPE, sys_work)
-        try:
-            assert stack.sidecar_url is not None
-            before = httpx.get(stack.url + "/metrics", timeout=10).text
-            sampler = Sampler(stack.sidecar_url, args.every)
-            row = asyncio.run(drive(stack.url, args, toc, tob))
-            samples = sampler.stop()
-            after = httpx.get(stack.url + "/metrics", timeout=10).text
-            name = "vllm:external_prefix_cache_hits_total"
-            tier = metric(after, name) - metric(before, name)
+        tiers = {}
+        for system in systems:
+            sys_work = work / f"seed-{seed}-{system}"
+            sys_work.mkdir()
+            row = run_one(system, args, model, sys_work, toc, tob)
+            tiers[system] = row["tier"]
+            print(f"| {seed} | {system} | {row['peak']} | {row['mean']} | {int(row['tier']):,} | {row['toc_cached']:,} "
+                  f"| {row['toc_cached'] / reusable:.2f} | {row['saved']} | {row['evictions']} | {row['failures']} | "
+                  f"{row['refused']} | {row['wall']:.0f} |", flush=True)
+        if len(tiers) == 2 and tiers["lmcache"]:
+            print(f"seed {seed}: kvpool's tier tokens {tiers['kvpool'] / tiers['lmcache']:.2f}x LMCache's", flush=True)
+    return 0
+
+
+def run_one(system: str, args: argparse.Namespace, model: Path, work: Path, toc: list[list[int]],
+            tob: list[list[int]]) -> dict:
+    """One system's run of the seed's prompts: its figures (kvpool's own columns are "-" for LMCache)."""
+    stack = Stack(system, args, model, TINY_KV_SHAPE, work)
+    out: dict = {"peak": "-", "mean": "-", "saved": "-", "evictions": "-", "failures": "-", "refused": "-"}
+    try:
+        before = httpx.get(stack.url + "/metrics", timeout=10).text
+        sampler = Sampler(stack.sidecar_url, args.every) if stack.sidecar_url else None
+        out.update(asyncio.run(drive(stack.url, args, toc, tob)))
+        samples = sampler.stop() if sampler else []
+        after = httpx.get(stack.url + "/metrics", timeout=10).text
+        name = "vllm:external_prefix_cache_hits_total"
+        out["tier"] = metric(after, name) - metric(before, name)
+        if stack.sidecar_url:
             time.sleep(1.5)  # the connector's last report
             stats = httpx.get(stack.sidecar_url + "/v1/stats", timeout=10).json()
-            refused = stats.get("evidence_refused_pages", "-")
             side = httpx.get(stack.sidecar_url + "/metrics", timeout=10).text
-            saved = metric(side, 'kvpool_connector_tokens_total{direction="saved"}')
-            failures = metric(side, "kvpool_connector_failures_total")
-        finally:
-            stack.close()
-        print(f"| {seed} | {max(samples, default=0)} | {statistics.fmean(samples) if samples else 0:.1f} | "
-              f"{int(tier):,} | {row['toc_cached']:,} | {row['toc_cached'] / reusable:.2f} | {int(saved):,} | "
-              f"{stats['evictions']:,} | {int(failures)} | {refused} | {row['wall']:.0f} |",
-              flush=True)
-    return 0
+            saved = int(metric(side, 'kvpool_connector_tokens_total{direction="saved"}'))
+            out.update(peak=max(samples, default=0), mean=f"{statistics.fmean(samples) if samples else 0:.1f}",
+                       saved=f"{saved:,}",
+                       evictions=f"{stats['evictions']:,}", refused=stats.get("evidence_refused_pages", "-"),
+                       failures=int(metric(side, "kvpool_connector_failures_total")))
+    finally:
+        stack.close()
+    return out
 
 
 if __name__ == "__main__":

@@ -724,6 +724,37 @@ def test_a_stopped_peer_costs_a_hinted_request_its_wait_only_and_the_fetch_lands
     source.idle()
 
 
+@needs_nixl  # the source process dies here: the next test starts another
+def test_a_source_killed_mid_fetch_costs_a_hinted_request_its_wait_only_and_leaves_nothing(source, monkeypatch):
+    """Through the engine's lookup: the offer came and the source holds its pages when it is killed -9,
+    before the read. The request computes after its wait (no lookup call blocks), the fetch ends in an
+    error or a timeout, nothing is published and no sequence is left."""
+    blocks = hashes(4, "killed-engine")
+    source.fill(blocks)
+    read = peer_agent.PeerAgent.read
+
+    def kill_then_read(agent, *args):
+        source.proc.kill()
+        source.proc.wait()
+        return read(agent, *args)
+
+    monkeypatch.setattr(peer_agent.PeerAgent, "read", kill_then_read)
+    with Engine(source.address, fetch_wait=0.2) as engine:
+        tokens, longest, waited = engine.lookup("killed", blocks, source.address)
+        assert tokens == 0 and waited < 0.5 and longest < 0.1
+        engine.load("killed", 0)
+        deadline = time.monotonic() + 5
+        while engine.fetches_ended() < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ended = {r: engine.metric("kvpool_peer_fetches_total", result=r) for r in ("error", "timeout")}
+        assert sum(ended.values()) == 1, ended
+        assert engine.sidecar.pool.stats().cached_pages == 0  # nothing unwritten was published
+        assert engine.lookup("after", blocks, None)[0] == 0
+        engine.load("after", 0)
+        engine.assert_clean()
+
+
 @needs_nixl  # last: the module's source process dies here (a later test would start another)
 def test_a_source_killed_mid_fetch_costs_a_miss_and_publishes_nothing(source):
     blocks = hashes(5, "killed")
