@@ -150,15 +150,21 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
     ttft, cached = None, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if ttft is None and data.get("choices"):
-                ttft = 1000 * (time.perf_counter() - start)
-            usage = data.get("usage")
-            if usage:
-                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        buffer = ""
+        # Split on "\n" only: a random model's text may hold U+2028 or U+0085, which aiter_lines splits at.
+        async for chunk in r.aiter_text():
+            buffer += chunk
+            *lines, buffer = buffer.split("\n")
+            for line in lines:
+                line = line.rstrip("\r")
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if ttft is None and data.get("choices"):
+                    ttft = 1000 * (time.perf_counter() - start)
+                usage = data.get("usage")
+                if usage:
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return ttft or 0.0, cached
 
 

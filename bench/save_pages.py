@@ -4,7 +4,8 @@ prompts over shared prefixes beside a to-B flood of prompts never sent again (se
 to-C's prefixes. One run per seed of the kvpool importable here (run it again with another checkout first on
 ``PYTHONPATH`` to compare two versions on the same traffic). ``--systems kvpool,lmcache`` runs LMCache's MP
 server (LRU, as ``bench/serve.py`` starts it, on the same bytes) beside it on the same prompts, one after the
-other in each seed, and prints each seed's tier tokens of kvpool over LMCache's.
+other in each seed (the order alternates over seeds), and prints each seed's tier tokens of kvpool over
+LMCache's.
 
     VLLM_CPU_OMP_THREADS_BIND=0 .venv/bin/python bench/save_pages.py --seeds 7,8
     VLLM_CPU_OMP_THREADS_BIND=0 .venv/bin/python bench/save_pages.py --policy lru --isolation 0 --evidence off
@@ -17,8 +18,8 @@ The sidecar's ``/v1/stats`` is sampled every ``--every`` seconds: ``unwritten_pa
 sequences hold that are not published: bytes not yet written, or written and not yet committed), its peak
 and its mean over the run. Figures per seed: those, the tokens the tier served (vLLM's
 ``external_prefix_cache_hits``), and to-C's cached prompt tokens (vLLM's own cache and the tier, from
-``--enable-prompt-tokens-details``) against what to-C could reuse (every prompt's prefix after its first).
-Token counts are steadier than times on a shared machine; wall times are noisy.
+``--enable-prompt-tokens-details``) against what to-C could reuse (every prompt's prefix after its first), and
+to-C's TTFT p50 (requests stream). Token counts are steadier than times on a shared machine; wall times are noisy.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "dev"))
-from classes import build_adapter  # noqa: E402
+from classes import build_adapter, one  # noqa: E402
 from serve import BLOCK, Stack, metric  # noqa: E402
 from tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa: E402
 from tiny_model import VOCAB, build_tiny_model  # noqa: E402
@@ -83,18 +84,12 @@ class Sampler:
 
 
 async def drive(url: str, args: argparse.Namespace, toc: list[list[int]], tob: list[list[int]]) -> dict:
-    cached: list[int] = []
+    cached: list[tuple[float, int]] = []  # to-C's (TTFT ms, cached tokens)
 
-    async def one(client: httpx.AsyncClient, model: str, prompt: list[int]) -> int:
-        body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0, "ignore_eos": True}
-        r = await client.post(url + "/v1/completions", json=body)
-        r.raise_for_status()
-        return ((r.json().get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-
-    async def clients(model: str, queue: list[list[int]], out: list[int] | None) -> None:
+    async def clients(model: str, queue: list[list[int]], out: list[tuple[float, int]] | None) -> None:
         async def worker() -> None:
             while queue:
-                got = await one(client, model, queue.pop(0))
+                got = await one(client, url, model, queue.pop(0), args.output_len)
                 if out is not None:
                     out.append(got)
 
@@ -104,7 +99,7 @@ async def drive(url: str, args: argparse.Namespace, toc: list[list[int]], tob: l
         start = time.perf_counter()
         await asyncio.gather(clients("base", list(toc), cached), clients("tob", list(tob), None))
         wall = time.perf_counter() - start
-    return {"toc_cached": sum(cached), "wall": wall}
+    return {"toc_cached": sum(c for _, c in cached), "ttft_p50": statistics.median(t for t, _ in cached), "wall": wall}
 
 
 def main() -> int:
@@ -153,18 +148,19 @@ def main() -> int:
     if not systems or any(system not in ("kvpool", "lmcache") for system in systems):
         ap.error("--systems: kvpool, lmcache or both, comma-separated")
     print("| seed | system | unwritten pages peak | mean | tier tokens | to-C cached tokens | share of to-C's reusable "
-          "| tokens saved | evictions | connector failures | pages refused by evidence | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for seed in (int(s) for s in args.seeds.split(",")):
+          "| to-C TTFT p50 ms | tokens saved | evictions | connector failures | pages refused by evidence | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for rnd, seed in enumerate(int(s) for s in args.seeds.split(",")):
         toc, tob = prompts(args, seed)
         tiers = {}
-        for system in systems:
+        for system in (systems if rnd % 2 == 0 else systems[::-1]):  # the order alternates over seeds
             sys_work = work / f"seed-{seed}-{system}"
             sys_work.mkdir()
             row = run_one(system, args, model, sys_work, toc, tob)
             tiers[system] = row["tier"]
             print(f"| {seed} | {system} | {row['peak']} | {row['mean']} | {int(row['tier']):,} | {row['toc_cached']:,} "
-                  f"| {row['toc_cached'] / reusable:.2f} | {row['saved']} | {row['evictions']} | {row['failures']} | "
+                  f"| {row['toc_cached'] / reusable:.2f} | {row['ttft_p50']:.0f} | {row['saved']} | {row['evictions']} "
+                  f"| {row['failures']} | "
                   f"{row['refused']} | {row['wall']:.0f} |", flush=True)
         if len(tiers) == 2 and tiers["lmcache"]:
             print(f"seed {seed}: kvpool's tier tokens {tiers['kvpool'] / tiers['lmcache']:.2f}x LMCache's", flush=True)

@@ -212,6 +212,9 @@ class Stack:
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
             self.sidecar_pid = self.procs[-1].pid  # its CPU is counted as the sidecar's is
             time.sleep(3)
+            if self.procs[-1].poll() is not None:  # not installed here (../shared/notes/vllm-on-cpu.md)
+                raise RuntimeError(f"LMCache's server exited at start ({self.procs[-1].returncode}): is lmcache "
+                                   "installed in this environment?")
             kv_transfer = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"lmcache.mp.port": port}}
         self.port = free_port()
