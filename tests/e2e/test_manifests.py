@@ -571,20 +571,128 @@ def test_the_inference_pool_and_its_router_count_kvpools_tier():
     assert "$(POD_IP)" in events["topic"] and any(e["name"] == "POD_IP" for e in engine["env"])
 
     config = yaml.safe_load(pool["ConfigMap"]["data"]["epp.yaml"])
-    mounted = epp_pod["spec"]["containers"][0]["args"]
+    picker_containers = {c["name"]: c for c in epp_pod["spec"]["containers"]}
+    mounted = picker_containers["epp"]["args"]
     assert mounted[mounted.index("--config-file") + 1] == "/config/epp.yaml"
     assert mounted[mounted.index("--pool-name") + 1] == pool["InferencePool"]["metadata"]["name"]
     scorer = next(p for p in config["plugins"] if p["type"] == "precise-prefix-cache-scorer")["parameters"]
-    assert scorer["tokenProcessorConfig"]["blockSize"] == int(args[args.index("--block-size") + 1])
+    assert scorer["tokenProcessorConfig"]["blockSizeTokens"] == int(args[args.index("--block-size") + 1])
     discovery = scorer["kvEventsConfig"]["podDiscoveryConfig"]
     assert scorer["kvEventsConfig"]["discoverPods"] and discovery["socketPort"] == ports["kv-events"]
     assert events["topic"].startswith(scorer["kvEventsConfig"]["topicFilter"])
-    selector = dict(kv.split("=") for kv in discovery["podLabelSelector"].split(","))
-    assert selector.items() <= engine_pod["metadata"]["labels"].items()
+    # The pods it subscribes to are the pool's: the endpoint-notification-source hands each to the scorer.
+    assert {"pluginRef": "endpoint-notification-source", "extractors": [{"pluginRef": "precise-prefix-cache-scorer"}]} \
+        in config["dataLayer"]["sources"]
+    # It tokenizes as the engine does: vLLM's renderer of the served model, in the picker's pod, on loopback.
+    [tokens] = [p["parameters"] for p in config["plugins"] if p["type"] == "token-producer"]
+    model = args[args.index("--model") + 1]
+    render = picker_containers["render"]
+    assert render["command"][0] == "vllm"
+    rendered = _vllm_launch_parser().parse_args([*render["command"][1:], *render["args"]])
+    assert rendered.launch_component == "render" and rendered.model_tag == tokens["modelName"] == model
+    assert tokens["vllm"]["url"] == f"http://localhost:{rendered.port}" and rendered.host == "127.0.0.1"
+    assert rendered.port not in [p["containerPort"] for c in epp_pod["spec"]["containers"] for p in c.get("ports", [])]
     tiers = {t["name"]: t["weight"] for t in scorer["indexerConfig"]["kvCacheBackendConfigs"]}
     assert 0 < tiers["cpu"] < tiers["gpu"]  # "cpu": vLLM's medium "CPU", the one kvpool's events carry
     used = {p["pluginRef"] for prof in config["schedulingProfiles"] for p in prof["plugins"]}
     assert "precise-prefix-cache-scorer" in used and used <= {p["type"] for p in config["plugins"]}
+
+
+def _vllm_launch_parser():
+    """vLLM's own parser of `vllm launch ...` (the version the example's images run): unknown flags exit."""
+    from vllm.entrypoints.cli.launch import LaunchSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    LaunchSubcommand().subparser_init(parser.add_subparsers(required=True, dest="subparser"))
+    return parser
+
+
+# llm-d-router v0.10.0 (the picker image inference-pool.yaml runs), written down from its sources because no
+# image is at hand: it decodes its EndpointPickerConfig and every plugin's parameters strictly (an unknown
+# field is a start-up error, and so is a config too old for it), names an unnamed plugin by its type, and
+# refuses an Alpha plugin unless started with --allow-experimental-plugins. Each plugin type the example uses,
+# with its stability and the parameters the example may give it.
+ROUTER_IMAGE = "ghcr.io/llm-d/llm-d-router-endpoint-picker:v0.10.0"
+ROUTER_FLAGS = {"--pool-name", "--pool-namespace", "--pool-group", "--config-file", "--config-text", "--grpc-port",
+                "--grpc-health-port", "--metrics-port", "--secure-serving", "--allow-experimental-plugins"}
+
+
+def _strict(properties: dict, required: tuple[str, ...] = ()) -> dict:
+    return {"type": "object", "properties": properties, "additionalProperties": False, "required": list(required)}
+
+
+_ANY_OBJECT = {"type": "object"}
+ROUTER_PLUGINS = {
+    "single-profile-handler": ("Beta", _strict({})),
+    "endpoint-notification-source": ("Beta", _strict({})),
+    "kv-cache-utilization-scorer": ("Beta", _strict({})),
+    "queue-scorer": ("Beta", _strict({})),
+    "max-score-picker": ("Beta", _strict({})),
+    "token-producer": ("Beta", _strict({
+        "modelName": {"type": "string"},
+        "vllm": _strict({"url": {"type": "string"}, "timeout": {"type": "string"}, "mmTimeout": {"type": "string"}}),
+        "udsTokenizerConfig": _ANY_OBJECT, "estimate": _ANY_OBJECT})),
+    "precise-prefix-cache-scorer": ("Beta", _strict({
+        "tokenProcessorConfig": _strict({"blockSize": {"type": "integer"}, "blockSizeTokens": {"type": "integer"},
+                                         "hashSeed": {"type": "string"}}),
+        "indexerConfig": _strict({
+            "kvBlockIndexConfig": _ANY_OBJECT, "tokenizersPoolConfig": _ANY_OBJECT,
+            "kvCacheBackendConfigs": {"type": "array", "items": _strict(
+                {"name": {"type": "string"}, "weight": {"type": "number"}}, ("name", "weight"))}}),
+        "kvEventsConfig": _strict({
+            "zmqEndpoint": {"type": "string"}, "topicFilter": {"type": "string"},
+            "concurrency": {"type": "integer"}, "engineType": {"enum": ["vllm", "sglang"]},
+            "discoverPods": {"type": "boolean"},
+            "podDiscoveryConfig": _strict({"podLabelSelector": {"type": "string"}, "podNamespace": {"type": "string"},
+                                           "socketPort": {"type": "integer"},
+                                           "replaySocketPort": {"type": "integer"}})}),
+        "speculativeIndexing": {"type": "boolean"}, "speculativeTTL": {"type": "string"}})),
+    "p2p-source-producer": ("Alpha", _strict({
+        "prefixMatchInfoProducerName": {"type": "string"}, "minCachedTokenDelta": {"type": "integer", "minimum": 1},
+        "prefillProfileName": {"type": "string"}})),
+}
+_REF = _strict({"pluginRef": {"type": "string"}}, ("pluginRef",))
+ROUTER_CONFIG = _strict({
+    "apiVersion": {"enum": ["llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1"]},  # the second deprecated
+    "kind": {"const": "EndpointPickerConfig"},
+    "plugins": {"type": "array", "items": _strict(
+        {"type": {"enum": sorted(ROUTER_PLUGINS)}, "name": {"type": "string"}, "parameters": _ANY_OBJECT}, ("type",))},
+    "schedulingProfiles": {"type": "array", "minItems": 1, "items": _strict(
+        {"name": {"type": "string"}, "plugins": {"type": "array", "items": _strict(
+            {"pluginRef": {"type": "string"}, "weight": {"type": "number"}}, ("pluginRef",))}}, ("name", "plugins"))},
+    "dataLayer": _strict({"injectDefaults": {"type": "boolean"}, "sources": {"type": "array", "items": _strict(
+        {"pluginRef": {"type": "string"}, "extractors": {"type": "array", "items": _REF}}, ("pluginRef",))}}),
+}, ("apiVersion", "kind", "plugins"))
+
+
+def router_config() -> tuple[dict, dict]:
+    """The picker's config, and its plugins by name (a plugin without one is named by its type)."""
+    config = yaml.safe_load(pool_documents()["ConfigMap"]["data"]["epp.yaml"])
+    return config, {p.get("name", p["type"]): p for p in config["plugins"]}
+
+
+def test_the_router_loads_its_config_as_llm_d_router_decodes_it():
+    """Every field is one the pinned router decodes, every plugin's parameters are its own, every reference
+    names a configured plugin, and the picker runs that router with the flags its plugins need."""
+    import jsonschema
+
+    config, plugins = router_config()
+    jsonschema.validate(config, ROUTER_CONFIG)
+    assert len(plugins) == len(config["plugins"])  # no two plugins of one name
+    for plugin in config["plugins"]:
+        jsonschema.validate(plugin.get("parameters", {}), ROUTER_PLUGINS[plugin["type"]][1])
+    refs = [p["pluginRef"] for prof in config["schedulingProfiles"] for p in prof["plugins"]]
+    refs += [r["pluginRef"] for src in config["dataLayer"]["sources"] for r in [src, *src["extractors"]]]
+    assert set(refs) <= set(plugins)
+    deploy = next(d for _, d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "qwen-chat-epp")
+    [epp] = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "epp"]
+    assert epp["image"] == ROUTER_IMAGE
+    assert {a for a in epp["args"] if a.startswith("--")} <= ROUTER_FLAGS
+    alpha = [name for name, p in plugins.items() if ROUTER_PLUGINS[p["type"]][0] == "Alpha"]
+    assert ("--allow-experimental-plugins" in epp["args"]) == bool(alpha), alpha
+    with pytest.raises(jsonschema.ValidationError):  # the schemas can fail: a field the scorer does not have
+        jsonschema.validate({"blockSize": 16}, ROUTER_PLUGINS["precise-prefix-cache-scorer"][1])
 
 
 def _quantity(text: str) -> int:
