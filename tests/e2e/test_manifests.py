@@ -556,7 +556,8 @@ def test_the_inference_pool_and_its_router_count_kvpools_tier():
     engine = next(c for c in engine_pod["spec"]["containers"] if c["name"] == "vllm")
     assert spec["selector"]["matchLabels"].items() <= engine_pod["metadata"]["labels"].items()
     ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
-    assert [p["number"] for p in spec["targetPorts"]] == [ports["http"]]
+    pod_ports = {p["name"]: p["containerPort"] for c in all_containers(engine_pod["spec"]) for p in c.get("ports", [])}
+    assert [p["number"] for p in spec["targetPorts"]] == [pod_ports["http"]]  # the routing proxy's: below
     picker = services[spec["endpointPickerRef"]["name"]]
     assert spec["endpointPickerRef"]["port"]["number"] in [p["port"] for p in picker["spec"]["ports"]]
     epp_pod = deployments[spec["endpointPickerRef"]["name"]]["spec"]["template"]
@@ -569,6 +570,8 @@ def test_the_inference_pool_and_its_router_count_kvpools_tier():
     assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
     assert events["endpoint"] == f"tcp://*:{ports['kv-events']}"  # each pod binds; the picker subscribes
     assert "$(POD_IP)" in events["topic"] and any(e["name"] == "POD_IP" for e in engine["env"])
+    # The topic names the pod as the router knows it: its address and the pool's port.
+    assert events["topic"] == f"kv@$(POD_IP):{pod_ports['http']}@{args[args.index('--model') + 1]}"
 
     config = yaml.safe_load(pool["ConfigMap"]["data"]["epp.yaml"])
     picker_containers = {c["name"]: c for c in epp_pod["spec"]["containers"]}
@@ -693,6 +696,106 @@ def test_the_router_loads_its_config_as_llm_d_router_decodes_it():
     assert ("--allow-experimental-plugins" in epp["args"]) == bool(alpha), alpha
     with pytest.raises(jsonschema.ValidationError):  # the schemas can fail: a field the scorer does not have
         jsonschema.validate({"blockSize": 16}, ROUTER_PLUGINS["precise-prefix-cache-scorer"][1])
+
+
+# llm-d's routing sidecar (llm-d-router v0.10.0's disagg sidecar, the image inference.yaml runs), written down
+# from its sources: its flags (an unknown one stops it), and what it does with the router's source header
+# when started with --kv-connector=offloading and sent no prefill header: the request's kv_transfer_params
+# become {"remote_kv_source": {remote_host: the header's host, remote_port: its own --p2p-connector-port,
+# kv_request_id: a fresh UUID}} (its decodeWithP2PSource), unless the header names the proxy itself (POD_IP,
+# --port).
+ROUTING_PROXY_IMAGE = "ghcr.io/llm-d/llm-d-router-disagg-sidecar:v0.10.0"
+ROUTING_PROXY_FLAGS = {
+    "port", "model-server-port", "vllm-port", "data-parallel-size", "kv-connector", "ec-connector",
+    "mooncake-bootstrap-port", "p2p-connector-port", "enable-p2p-pull", "enable-ssrf-protection",
+    "enable-prefiller-sampling", "enable-tls", "tls-insecure-skip-verify", "secure-proxy", "cert-path",
+    "inference-pool", "pool-group", "max-idle-conns-per-host", "prefill-max-retries", "prefill-retry-backoff",
+    "decode-chunk-size", "configuration", "configuration-file", "tracing", "metrics-port"}
+
+
+def routing_proxy_flags(container: dict) -> dict[str, str]:
+    """The routing proxy's flags (the example writes each as --name=value), each one it has."""
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
+    assert len(flags) == len(container["args"]) and set(flags) <= ROUTING_PROXY_FLAGS, container["args"]
+    return flags
+
+
+def routing_proxy_params(flags: dict[str, str], pod_ip: str, header: str | None, params: dict) -> dict:
+    """The kv_transfer_params the routing proxy passes vLLM for a request with ``params`` and the router's
+    source header (None: no header)."""
+    if header is None or flags.get("kv-connector") != "offloading" or header == f"{pod_ip}:{flags['port']}":
+        return params
+    host = header.rsplit(":", 1)[0]
+    return {"remote_kv_source": {"kv_request_id": "6f1c0e1e-2d9a-4c55-9d1e-7d0b8b1f6a10", "remote_host": host,
+                                 "remote_port": int(flags["p2p-connector-port"])}}
+
+
+def test_the_router_names_a_source_pod_and_the_routing_proxy_hints_its_kvpool_peer_port():
+    """llm-d's P2P source producer reads the precise scorer's match data and writes a source pod's address and
+    the pool's port; the pool's port reaches the routing proxy, which turns that into the hint naming the
+    source's kvpool peer port, a member of the receiving sidecar's policy; vLLM listens where the proxy
+    forwards; no two containers of the pod claim one port, and each declares the ports it listens on."""
+    from kvpool_sidecar.cli import build_parser
+    from kvpool_sidecar.engines.hints import peer_source
+    from kvpool_sidecar.service.membership import peer_members
+
+    config, plugins = router_config()
+    [producer] = [p["parameters"] for p in config["plugins"] if p["type"] == "p2p-source-producer"]
+    matched = plugins[producer["prefixMatchInfoProducerName"]]  # "" would be the approximate producer's
+    assert matched["type"] in {"precise-prefix-cache-scorer", "precise-prefix-cache-producer"}
+    profiles = config["schedulingProfiles"]
+    assert producer["prefillProfileName"] in [prof["name"] for prof in profiles]
+    assert "p2p-source-producer" not in [p["pluginRef"] for prof in profiles for p in prof["plugins"]]
+    docs = {doc["kind"]: doc for path, doc in documents() if path.name in ("inference.yaml", "policy.yaml")}
+    page_size = docs["KVCachePolicy"]["spec"]["pageSize"]
+    assert matched["parameters"]["tokenProcessorConfig"]["blockSizeTokens"] == page_size
+    assert producer["minCachedTokenDelta"] % page_size == 0 and producer["minCachedTokenDelta"] >= page_size
+
+    template = docs["Deployment"]["spec"]["template"]
+    pod = template["spec"]
+    containers = {c["name"]: c for c in all_containers(pod)}
+    proxy, engine, sidecar = containers["routing-proxy"], containers["vllm"], containers["kvpool-sidecar"]
+    assert proxy["image"] == ROUTING_PROXY_IMAGE and proxy in pod["initContainers"]
+    assert proxy["restartPolicy"] == "Always"  # starts before vLLM, stops after it
+    flags = routing_proxy_flags(proxy)
+    served = build_parser().parse_args(sidecar["args"])
+    assert flags["kv-connector"] == "offloading" and flags["secure-proxy"] == "false"
+    assert int(flags["p2p-connector-port"]) == served.peer_port
+    assert {"name": "peers", "containerPort": served.peer_port} in sidecar["ports"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in proxy["env"]
+    args = engine["args"]
+    vllm_port = int(args[args.index("--port") + 1])
+    assert int(flags["model-server-port"]) == vllm_port
+    assert {"name": "engine", "containerPort": vllm_port} in engine["ports"]
+    assert {engine[probe]["httpGet"]["port"] for probe in ("startupProbe", "livenessProbe", "readinessProbe")} \
+        == {"engine"}  # vLLM's own health, not the proxy's
+    # The Service and the InferencePool reach the proxy.
+    named = {p["name"]: (c["name"], p["containerPort"]) for c in all_containers(pod) for p in c.get("ports", [])}
+    service = next(d for _, d in documents() if d["kind"] == "Service" and d["metadata"]["name"] == "qwen-chat")
+    [http] = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert named[http["targetPort"]] == ("routing-proxy", int(flags["port"]))
+    [target] = [p["number"] for p in pool_documents()["InferencePool"]["spec"]["targetPorts"]]
+    assert target == int(flags["port"])
+    # One port, one container; each container declares what it listens on.
+    declared = [p["containerPort"] for c in all_containers(pod) for p in c.get("ports", [])]
+    assert len(declared) == len(set(declared)), declared
+    events = json.loads(args[args.index("--kv-events-config") + 1])
+    listening = {"kvpool-sidecar": {served.port, served.metrics_port, served.peer_port},
+                 "routing-proxy": {int(flags["port"])},
+                 "vllm": {vllm_port, int(events["endpoint"].rsplit(":", 1)[1])}}
+    assert {c["name"]: {p["containerPort"] for p in c["ports"]} for c in all_containers(pod)} == listening
+
+    # A request the router sends to pod B while pod A's kvpool holds its prompt: the header names A at the
+    # pool's port, B's proxy turns it into a hint at A's peer port, and B's sidecar takes A for a member.
+    policy = docs["KVCachePolicy"]["metadata"]["name"]
+    pods = [{"metadata": {"name": name, "labels": template["metadata"]["labels"]},
+             "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+            for name, ip in (("qwen-chat-a", "10.0.0.7"), ("qwen-chat-b", "10.0.0.8"))]
+    members = peer_members(pods, policy, served.peer_port, own_pod="qwen-chat-b")
+    hint = peer_source(routing_proxy_params(flags, "10.0.0.8", f"10.0.0.7:{target}", {"tenant": "t"}))
+    assert hint is not None and (hint.host, hint.port) in members
+    assert peer_source(routing_proxy_params(flags, "10.0.0.8", f"10.0.0.8:{target}", {})) is None  # B itself
+    assert peer_source(routing_proxy_params(flags, "10.0.0.8", None, {})) is None
 
 
 def _quantity(text: str) -> int:
@@ -835,8 +938,10 @@ def test_the_inference_pod_starts_its_sidecar_first_stops_it_last_and_probes_che
     docs = [d for p, d in documents() if p == path]
     deploy = next(d for d in docs if d["kind"] == "Deployment")
     pod = deploy["spec"]["template"]["spec"]
-    [sidecar] = pod["initContainers"]
-    assert sidecar["name"] == "kvpool-sidecar" and sidecar["restartPolicy"] == "Always"
+    # kvpool's sidecar first (vLLM's tier needs it), then llm-d's routing proxy; both native sidecars.
+    assert [c["name"] for c in pod["initContainers"]] == ["kvpool-sidecar", "routing-proxy"]
+    assert {c["restartPolicy"] for c in pod["initContainers"]} == {"Always"}
+    sidecar = pod["initContainers"][0]
     assert [c["name"] for c in pod["containers"]] == ["vllm"]
     ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
     served = build_parser().parse_args(sidecar["args"])
