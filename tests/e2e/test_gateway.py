@@ -153,6 +153,19 @@ def test_the_callers_key_sets_its_tenant_and_class_whatever_the_body_claims(gate
     assert httpx.get(gateway + "/v1/models", headers={"Authorization": "Bearer sk-acme-chat"}).status_code == 200
 
 
+def test_a_callers_kv_cache_source_header_never_reaches_the_engine(gateway):
+    """llm-d's routing proxy in front of vLLM replaces the body's kv_transfer_params (the tenant and class set
+    here) with a peer hint when a request carries its router's source header (docs/routing.md): the gateway
+    drops a caller's."""
+    Engine.received.clear()
+    headers = {"Authorization": "Bearer sk-acme-chat", "X-KV-Cache-Source-Host-Port": "10.0.0.7:8000"}
+    response = httpx.post(gateway + "/v1/completions", json={"prompt": "x"}, headers=headers, timeout=10)
+    assert response.status_code == 200
+    [request] = Engine.received
+    assert "x-kv-cache-source-host-port" not in {h.lower() for h in request["headers"]}
+    assert json.loads(request["body"])["kv_transfer_params"] == {"tenant": "acme", "workload_class": "toC"}
+
+
 def test_unknown_callers_and_bad_bodies_never_reach_the_engine(gateway):
     Engine.received.clear()
     deep: object = 1

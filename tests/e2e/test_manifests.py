@@ -556,7 +556,8 @@ def test_the_inference_pool_and_its_router_count_kvpools_tier():
     engine = next(c for c in engine_pod["spec"]["containers"] if c["name"] == "vllm")
     assert spec["selector"]["matchLabels"].items() <= engine_pod["metadata"]["labels"].items()
     ports = {p["name"]: p["containerPort"] for p in engine["ports"]}
-    assert [p["number"] for p in spec["targetPorts"]] == [ports["http"]]
+    pod_ports = {p["name"]: p["containerPort"] for c in all_containers(engine_pod["spec"]) for p in c.get("ports", [])}
+    assert [p["number"] for p in spec["targetPorts"]] == [pod_ports["http"]]  # the routing proxy's: below
     picker = services[spec["endpointPickerRef"]["name"]]
     assert spec["endpointPickerRef"]["port"]["number"] in [p["port"] for p in picker["spec"]["ports"]]
     epp_pod = deployments[spec["endpointPickerRef"]["name"]]["spec"]["template"]
@@ -569,22 +570,232 @@ def test_the_inference_pool_and_its_router_count_kvpools_tier():
     assert events["enable_kv_cache_events"] and events["publisher"] == "zmq"
     assert events["endpoint"] == f"tcp://*:{ports['kv-events']}"  # each pod binds; the picker subscribes
     assert "$(POD_IP)" in events["topic"] and any(e["name"] == "POD_IP" for e in engine["env"])
+    # The topic names the pod as the router knows it: its address and the pool's port.
+    assert events["topic"] == f"kv@$(POD_IP):{pod_ports['http']}@{args[args.index('--model') + 1]}"
 
     config = yaml.safe_load(pool["ConfigMap"]["data"]["epp.yaml"])
-    mounted = epp_pod["spec"]["containers"][0]["args"]
+    picker_containers = {c["name"]: c for c in epp_pod["spec"]["containers"]}
+    mounted = picker_containers["epp"]["args"]
     assert mounted[mounted.index("--config-file") + 1] == "/config/epp.yaml"
     assert mounted[mounted.index("--pool-name") + 1] == pool["InferencePool"]["metadata"]["name"]
     scorer = next(p for p in config["plugins"] if p["type"] == "precise-prefix-cache-scorer")["parameters"]
-    assert scorer["tokenProcessorConfig"]["blockSize"] == int(args[args.index("--block-size") + 1])
+    assert scorer["tokenProcessorConfig"]["blockSizeTokens"] == int(args[args.index("--block-size") + 1])
     discovery = scorer["kvEventsConfig"]["podDiscoveryConfig"]
     assert scorer["kvEventsConfig"]["discoverPods"] and discovery["socketPort"] == ports["kv-events"]
     assert events["topic"].startswith(scorer["kvEventsConfig"]["topicFilter"])
-    selector = dict(kv.split("=") for kv in discovery["podLabelSelector"].split(","))
-    assert selector.items() <= engine_pod["metadata"]["labels"].items()
+    # The pods it subscribes to are the pool's: the endpoint-notification-source hands each to the scorer.
+    assert {"pluginRef": "endpoint-notification-source", "extractors": [{"pluginRef": "precise-prefix-cache-scorer"}]} \
+        in config["dataLayer"]["sources"]
+    # It tokenizes as the engine does: vLLM's renderer of the served model, in the picker's pod, on loopback.
+    [tokens] = [p["parameters"] for p in config["plugins"] if p["type"] == "token-producer"]
+    model = args[args.index("--model") + 1]
+    render = picker_containers["render"]
+    assert render["command"][0] == "vllm"
+    rendered = _vllm_launch_parser().parse_args([*render["command"][1:], *render["args"]])
+    assert rendered.launch_component == "render" and rendered.model_tag == tokens["modelName"] == model
+    assert tokens["vllm"]["url"] == f"http://localhost:{rendered.port}" and rendered.host == "127.0.0.1"
+    assert rendered.port not in [p["containerPort"] for c in epp_pod["spec"]["containers"] for p in c.get("ports", [])]
     tiers = {t["name"]: t["weight"] for t in scorer["indexerConfig"]["kvCacheBackendConfigs"]}
     assert 0 < tiers["cpu"] < tiers["gpu"]  # "cpu": vLLM's medium "CPU", the one kvpool's events carry
     used = {p["pluginRef"] for prof in config["schedulingProfiles"] for p in prof["plugins"]}
     assert "precise-prefix-cache-scorer" in used and used <= {p["type"] for p in config["plugins"]}
+
+
+def _vllm_launch_parser():
+    """vLLM's own parser of `vllm launch ...` (the version the example's images run): unknown flags exit."""
+    from vllm.entrypoints.cli.launch import LaunchSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    LaunchSubcommand().subparser_init(parser.add_subparsers(required=True, dest="subparser"))
+    return parser
+
+
+# llm-d-router v0.10.0 (the picker image inference-pool.yaml runs), written down from its sources because no
+# image is at hand: it decodes its EndpointPickerConfig and every plugin's parameters strictly (an unknown
+# field is a start-up error, and so is a config too old for it), names an unnamed plugin by its type, and
+# refuses an Alpha plugin unless started with --allow-experimental-plugins. Each plugin type the example uses,
+# with its stability and the parameters the example may give it.
+ROUTER_IMAGE = "ghcr.io/llm-d/llm-d-router-endpoint-picker:v0.10.0"
+ROUTER_FLAGS = {"--pool-name", "--pool-namespace", "--pool-group", "--config-file", "--config-text", "--grpc-port",
+                "--grpc-health-port", "--metrics-port", "--secure-serving", "--allow-experimental-plugins"}
+
+
+def _strict(properties: dict, required: tuple[str, ...] = ()) -> dict:
+    return {"type": "object", "properties": properties, "additionalProperties": False, "required": list(required)}
+
+
+_ANY_OBJECT = {"type": "object"}
+ROUTER_PLUGINS = {
+    "single-profile-handler": ("Beta", _strict({})),
+    "endpoint-notification-source": ("Beta", _strict({})),
+    "kv-cache-utilization-scorer": ("Beta", _strict({})),
+    "queue-scorer": ("Beta", _strict({})),
+    "max-score-picker": ("Beta", _strict({})),
+    "token-producer": ("Beta", _strict({
+        "modelName": {"type": "string"},
+        "vllm": _strict({"url": {"type": "string"}, "timeout": {"type": "string"}, "mmTimeout": {"type": "string"}}),
+        "udsTokenizerConfig": _ANY_OBJECT, "estimate": _ANY_OBJECT})),
+    "precise-prefix-cache-scorer": ("Beta", _strict({
+        "tokenProcessorConfig": _strict({"blockSize": {"type": "integer"}, "blockSizeTokens": {"type": "integer"},
+                                         "hashSeed": {"type": "string"}}),
+        "indexerConfig": _strict({
+            "kvBlockIndexConfig": _ANY_OBJECT, "tokenizersPoolConfig": _ANY_OBJECT,
+            "kvCacheBackendConfigs": {"type": "array", "items": _strict(
+                {"name": {"type": "string"}, "weight": {"type": "number"}}, ("name", "weight"))}}),
+        "kvEventsConfig": _strict({
+            "zmqEndpoint": {"type": "string"}, "topicFilter": {"type": "string"},
+            "concurrency": {"type": "integer"}, "engineType": {"enum": ["vllm", "sglang"]},
+            "discoverPods": {"type": "boolean"},
+            "podDiscoveryConfig": _strict({"podLabelSelector": {"type": "string"}, "podNamespace": {"type": "string"},
+                                           "socketPort": {"type": "integer"},
+                                           "replaySocketPort": {"type": "integer"}})}),
+        "speculativeIndexing": {"type": "boolean"}, "speculativeTTL": {"type": "string"}})),
+    "p2p-source-producer": ("Alpha", _strict({
+        "prefixMatchInfoProducerName": {"type": "string"}, "minCachedTokenDelta": {"type": "integer", "minimum": 1},
+        "prefillProfileName": {"type": "string"}})),
+}
+_REF = _strict({"pluginRef": {"type": "string"}}, ("pluginRef",))
+ROUTER_CONFIG = _strict({
+    "apiVersion": {"enum": ["llm-d.ai/v1alpha1", "inference.networking.x-k8s.io/v1alpha1"]},  # the second deprecated
+    "kind": {"const": "EndpointPickerConfig"},
+    "plugins": {"type": "array", "items": _strict(
+        {"type": {"enum": sorted(ROUTER_PLUGINS)}, "name": {"type": "string"}, "parameters": _ANY_OBJECT}, ("type",))},
+    "schedulingProfiles": {"type": "array", "minItems": 1, "items": _strict(
+        {"name": {"type": "string"}, "plugins": {"type": "array", "items": _strict(
+            {"pluginRef": {"type": "string"}, "weight": {"type": "number"}}, ("pluginRef",))}}, ("name", "plugins"))},
+    "dataLayer": _strict({"injectDefaults": {"type": "boolean"}, "sources": {"type": "array", "items": _strict(
+        {"pluginRef": {"type": "string"}, "extractors": {"type": "array", "items": _REF}}, ("pluginRef",))}}),
+}, ("apiVersion", "kind", "plugins"))
+
+
+def router_config() -> tuple[dict, dict]:
+    """The picker's config, and its plugins by name (a plugin without one is named by its type)."""
+    config = yaml.safe_load(pool_documents()["ConfigMap"]["data"]["epp.yaml"])
+    return config, {p.get("name", p["type"]): p for p in config["plugins"]}
+
+
+def test_the_router_loads_its_config_as_llm_d_router_decodes_it():
+    """Every field is one the pinned router decodes, every plugin's parameters are its own, every reference
+    names a configured plugin, and the picker runs that router with the flags its plugins need."""
+    import jsonschema
+
+    config, plugins = router_config()
+    jsonschema.validate(config, ROUTER_CONFIG)
+    assert len(plugins) == len(config["plugins"])  # no two plugins of one name
+    for plugin in config["plugins"]:
+        jsonschema.validate(plugin.get("parameters", {}), ROUTER_PLUGINS[plugin["type"]][1])
+    refs = [p["pluginRef"] for prof in config["schedulingProfiles"] for p in prof["plugins"]]
+    refs += [r["pluginRef"] for src in config["dataLayer"]["sources"] for r in [src, *src["extractors"]]]
+    assert set(refs) <= set(plugins)
+    deploy = next(d for _, d in documents() if d["kind"] == "Deployment" and d["metadata"]["name"] == "qwen-chat-epp")
+    [epp] = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "epp"]
+    assert epp["image"] == ROUTER_IMAGE
+    assert {a for a in epp["args"] if a.startswith("--")} <= ROUTER_FLAGS
+    alpha = [name for name, p in plugins.items() if ROUTER_PLUGINS[p["type"]][0] == "Alpha"]
+    assert ("--allow-experimental-plugins" in epp["args"]) == bool(alpha), alpha
+    with pytest.raises(jsonschema.ValidationError):  # the schemas can fail: a field the scorer does not have
+        jsonschema.validate({"blockSize": 16}, ROUTER_PLUGINS["precise-prefix-cache-scorer"][1])
+
+
+# llm-d's routing sidecar (llm-d-router v0.10.0's disagg sidecar, the image inference.yaml runs), written down
+# from its sources: its flags (an unknown one stops it), and what it does with the router's source header
+# when started with --kv-connector=offloading and sent no prefill header: the request's kv_transfer_params
+# become {"remote_kv_source": {remote_host: the header's host, remote_port: its own --p2p-connector-port,
+# kv_request_id: a fresh UUID}} (its decodeWithP2PSource), unless the header names the proxy itself (POD_IP,
+# --port).
+ROUTING_PROXY_IMAGE = "ghcr.io/llm-d/llm-d-router-disagg-sidecar:v0.10.0"
+ROUTING_PROXY_FLAGS = {
+    "port", "model-server-port", "vllm-port", "data-parallel-size", "kv-connector", "ec-connector",
+    "mooncake-bootstrap-port", "p2p-connector-port", "enable-p2p-pull", "enable-ssrf-protection",
+    "enable-prefiller-sampling", "enable-tls", "tls-insecure-skip-verify", "secure-proxy", "cert-path",
+    "inference-pool", "pool-group", "max-idle-conns-per-host", "prefill-max-retries", "prefill-retry-backoff",
+    "decode-chunk-size", "configuration", "configuration-file", "tracing", "metrics-port"}
+
+
+def routing_proxy_flags(container: dict) -> dict[str, str]:
+    """The routing proxy's flags (the example writes each as --name=value), each one it has."""
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in container["args"])
+    assert len(flags) == len(container["args"]) and set(flags) <= ROUTING_PROXY_FLAGS, container["args"]
+    return flags
+
+
+def routing_proxy_params(flags: dict[str, str], pod_ip: str, header: str | None, params: dict) -> dict:
+    """The kv_transfer_params the routing proxy passes vLLM for a request with ``params`` and the router's
+    source header (None: no header)."""
+    if header is None or flags.get("kv-connector") != "offloading" or header == f"{pod_ip}:{flags['port']}":
+        return params
+    host = header.rsplit(":", 1)[0]
+    return {"remote_kv_source": {"kv_request_id": "6f1c0e1e-2d9a-4c55-9d1e-7d0b8b1f6a10", "remote_host": host,
+                                 "remote_port": int(flags["p2p-connector-port"])}}
+
+
+def test_the_router_names_a_source_pod_and_the_routing_proxy_hints_its_kvpool_peer_port():
+    """llm-d's P2P source producer reads the precise scorer's match data and writes a source pod's address and
+    the pool's port; the pool's port reaches the routing proxy, which turns that into the hint naming the
+    source's kvpool peer port, a member of the receiving sidecar's policy; vLLM listens where the proxy
+    forwards; no two containers of the pod claim one port, and each declares the ports it listens on."""
+    from kvpool_sidecar.cli import build_parser
+    from kvpool_sidecar.engines.hints import peer_source
+    from kvpool_sidecar.service.membership import peer_members
+
+    config, plugins = router_config()
+    [producer] = [p["parameters"] for p in config["plugins"] if p["type"] == "p2p-source-producer"]
+    matched = plugins[producer["prefixMatchInfoProducerName"]]  # "" would be the approximate producer's
+    assert matched["type"] in {"precise-prefix-cache-scorer", "precise-prefix-cache-producer"}
+    profiles = config["schedulingProfiles"]
+    assert producer["prefillProfileName"] in [prof["name"] for prof in profiles]
+    assert "p2p-source-producer" not in [p["pluginRef"] for prof in profiles for p in prof["plugins"]]
+    docs = {doc["kind"]: doc for path, doc in documents() if path.name in ("inference.yaml", "policy.yaml")}
+    page_size = docs["KVCachePolicy"]["spec"]["pageSize"]
+    assert matched["parameters"]["tokenProcessorConfig"]["blockSizeTokens"] == page_size
+    assert producer["minCachedTokenDelta"] % page_size == 0 and producer["minCachedTokenDelta"] >= page_size
+
+    template = docs["Deployment"]["spec"]["template"]
+    pod = template["spec"]
+    containers = {c["name"]: c for c in all_containers(pod)}
+    proxy, engine, sidecar = containers["routing-proxy"], containers["vllm"], containers["kvpool-sidecar"]
+    assert proxy["image"] == ROUTING_PROXY_IMAGE and proxy in pod["initContainers"]
+    assert proxy["restartPolicy"] == "Always"  # starts before vLLM, stops after it
+    flags = routing_proxy_flags(proxy)
+    served = build_parser().parse_args(sidecar["args"])
+    assert flags["kv-connector"] == "offloading" and flags["secure-proxy"] == "false"
+    assert int(flags["p2p-connector-port"]) == served.peer_port
+    assert {"name": "peers", "containerPort": served.peer_port} in sidecar["ports"]
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in proxy["env"]
+    args = engine["args"]
+    vllm_port = int(args[args.index("--port") + 1])
+    assert int(flags["model-server-port"]) == vllm_port
+    assert {"name": "engine", "containerPort": vllm_port} in engine["ports"]
+    assert {engine[probe]["httpGet"]["port"] for probe in ("startupProbe", "livenessProbe", "readinessProbe")} \
+        == {"engine"}  # vLLM's own health, not the proxy's
+    # The Service and the InferencePool reach the proxy.
+    named = {p["name"]: (c["name"], p["containerPort"]) for c in all_containers(pod) for p in c.get("ports", [])}
+    service = next(d for _, d in documents() if d["kind"] == "Service" and d["metadata"]["name"] == "qwen-chat")
+    [http] = [p for p in service["spec"]["ports"] if p["name"] == "http"]
+    assert named[http["targetPort"]] == ("routing-proxy", int(flags["port"]))
+    [target] = [p["number"] for p in pool_documents()["InferencePool"]["spec"]["targetPorts"]]
+    assert target == int(flags["port"])
+    # One port, one container; each container declares what it listens on.
+    declared = [p["containerPort"] for c in all_containers(pod) for p in c.get("ports", [])]
+    assert len(declared) == len(set(declared)), declared
+    events = json.loads(args[args.index("--kv-events-config") + 1])
+    listening = {"kvpool-sidecar": {served.port, served.metrics_port, served.peer_port},
+                 "routing-proxy": {int(flags["port"])},
+                 "vllm": {vllm_port, int(events["endpoint"].rsplit(":", 1)[1])}}
+    assert {c["name"]: {p["containerPort"] for p in c["ports"]} for c in all_containers(pod)} == listening
+
+    # A request the router sends to pod B while pod A's kvpool holds its prompt: the header names A at the
+    # pool's port, B's proxy turns it into a hint at A's peer port, and B's sidecar takes A for a member.
+    policy = docs["KVCachePolicy"]["metadata"]["name"]
+    pods = [{"metadata": {"name": name, "labels": template["metadata"]["labels"]},
+             "status": {"phase": "Running", "podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}
+            for name, ip in (("qwen-chat-a", "10.0.0.7"), ("qwen-chat-b", "10.0.0.8"))]
+    members = peer_members(pods, policy, served.peer_port, own_pod="qwen-chat-b")
+    hint = peer_source(routing_proxy_params(flags, "10.0.0.8", f"10.0.0.7:{target}", {"tenant": "t"}))
+    assert hint is not None and (hint.host, hint.port) in members
+    assert peer_source(routing_proxy_params(flags, "10.0.0.8", f"10.0.0.8:{target}", {})) is None  # B itself
+    assert peer_source(routing_proxy_params(flags, "10.0.0.8", None, {})) is None
 
 
 def _quantity(text: str) -> int:
@@ -727,8 +938,10 @@ def test_the_inference_pod_starts_its_sidecar_first_stops_it_last_and_probes_che
     docs = [d for p, d in documents() if p == path]
     deploy = next(d for d in docs if d["kind"] == "Deployment")
     pod = deploy["spec"]["template"]["spec"]
-    [sidecar] = pod["initContainers"]
-    assert sidecar["name"] == "kvpool-sidecar" and sidecar["restartPolicy"] == "Always"
+    # kvpool's sidecar first (vLLM's tier needs it), then llm-d's routing proxy; both native sidecars.
+    assert [c["name"] for c in pod["initContainers"]] == ["kvpool-sidecar", "routing-proxy"]
+    assert {c["restartPolicy"] for c in pod["initContainers"]} == {"Always"}
+    sidecar = pod["initContainers"][0]
     assert [c["name"] for c in pod["containers"]] == ["vllm"]
     ports = {p["name"]: p["containerPort"] for p in sidecar["ports"]}
     served = build_parser().parse_args(sidecar["args"])

@@ -1,7 +1,7 @@
 """A request's peer hint: where the sidecar may fetch the prompt's missing leading pages from (issue 66).
 
-The shape vLLM's own p2p tier reads and llm-d's router (its P2P source producer) writes, in the request's
-``kv_transfer_params``::
+The shape vLLM's own p2p tier reads and llm-d's routing sidecar writes (from the header its router's P2P source
+producer sets: docs/routing.md), in the request's ``kv_transfer_params``::
 
     {"remote_kv_source": {"remote_host": "10.0.0.7", "remote_port": 8300}}
 
