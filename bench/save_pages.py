@@ -46,17 +46,54 @@ from tiny_model import KV_SHAPE as TINY_KV_SHAPE  # noqa: E402
 from tiny_model import VOCAB, build_tiny_model  # noqa: E402
 
 
-def prompts(args: argparse.Namespace, seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    """to-C's prompts (a shared prefix each, then a fresh suffix) and to-B's (random, never sent again)."""
+def prompts(args: argparse.Namespace, seed: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """to-C's prompts (a shared prefix each, then a fresh suffix), to-B's (random, never sent again) and
+    each to-C prompt's prefix."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(3, VOCAB) for _ in range(n)]
 
     prefixes = [tokens(args.prefix_len) for _ in range(args.prefixes)]
-    toc = [rng.choice(prefixes) + tokens(args.suffix_len) for _ in range(args.prompts)]
+    ids: list[int] = []
+    toc: list[list[int]] = []
+    for _ in range(args.prompts):  # the draws of rng.choice(prefixes), then the suffix: seeds keep their traffic
+        ids.append(rng.randrange(len(prefixes)))
+        toc.append(prefixes[ids[-1]] + tokens(args.suffix_len))
     tob = [tokens(args.tob_len) for _ in range(args.prompts)]
-    return toc, tob
+    return toc, tob, ids
+
+
+def clairvoyant(ids: list[int], pages_per_prefix: int, capacity: int) -> int:
+    """Prefix pages a tier of ``capacity`` pages would serve to-C's prompts (prefix ``ids``, one at a time, in
+    the order sent) holding to-C's prefixes only (no flood, no suffix) and evicting by Belady: the leading
+    pages of the prefix used again soonest stay, a prefix's tail goes first. The bound a tier of that
+    size could reach on this traffic with a perfect policy (vLLM's own cache apart)."""
+    following = [len(ids)] * len(ids)  # for each request, the next one with its prefix
+    seen: dict[int, int] = {}
+    for i in range(len(ids) - 1, -1, -1):
+        following[i] = seen.get(ids[i], len(ids))
+        seen[ids[i]] = i
+    held: dict[int, int] = {}  # prefix -> leading pages held
+    next_use: dict[int, int] = {}
+    hits = 0
+    for i, p in enumerate(ids):
+        hits += held.get(p, 0)
+        next_use[p] = following[i]
+        need = pages_per_prefix - held.get(p, 0)
+        room = capacity - sum(held.values())
+        take = min(room, need)
+        held[p] = held.get(p, 0) + take
+        need -= take
+        while need > 0:  # take the tails of prefixes used later than p's next use
+            q = max((q for q in held if q != p and held[q]), key=next_use.__getitem__, default=None)
+            if q is None or next_use[q] <= next_use[p]:
+                break
+            give = min(held[q], need)
+            held[q] -= give
+            held[p] += give
+            need -= give
+    return hits
 
 
 class Sampler:
@@ -151,7 +188,10 @@ def main() -> int:
           "| to-C TTFT p50 ms | tokens saved | evictions | connector failures | pages refused by evidence | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rnd, seed in enumerate(int(s) for s in args.seeds.split(",")):
-        toc, tob = prompts(args, seed)
+        toc, tob, ids = prompts(args, seed)
+        bound = clairvoyant(ids, args.prefix_len // BLOCK, args.pool_pages) * BLOCK / reusable
+        print(f"seed {seed}: a clairvoyant tier of {args.pool_pages} pages holding to-C's prefixes only would serve "
+              f"{bound:.2f} of to-C's reusable tokens (vLLM's own cache apart)", flush=True)
         tiers = {}
         for system in (systems if rnd % 2 == 0 else systems[::-1]):  # the order alternates over seeds
             sys_work = work / f"seed-{seed}-{system}"
