@@ -27,22 +27,22 @@ page at a time, and 4 KiB pages cost it roughly 40 % of its speed on this machin
 bench/serve.py's ``Stack`` starts them; ``--model tiny|mid`` as there), the two sidecars each other's peers
 (``--peer-port``, ``--peer-host 127.0.0.1``, ``--peers`` naming the other's peer port) proving one cluster key
 written here at random (``--transfer-key-file``). The workload, fixed by ``--seed``: ``--prompts`` distinct
-prompts, each a long prefix of its own (``--prefix-len``) and a short suffix (``--suffix-len``). All are sent to
-A first, one at a time (A computes them and its sidecar saves them; the run waits until A's connector has
-released them all), then to B, one at a time, alternately with and without the hint (the two arms interleave in
-time): the request body's ``kv_transfer_params`` ``{"remote_kv_source": {"remote_host": "127.0.0.1",
-"remote_port": A's peer port}}``, which vLLM's server hands to the connector, and the connector's request waits
-up to ``peer_fetch_wait_ms`` (250 ms unless ``--fetch-wait-ms``) while B's sidecar fetches the pages from A's.
-Before the arms, one hinted request to B with a prompt of its own warms B's first NIXL connection to A (slow on a
-loaded machine) and is not counted. Requests stream (bench/classes.py's ``one``; TTFT is the first token's
-arrival) with ``--enable-prompt-tokens-details``. Figures per arm on B: prompts, prompt tokens, tokens computed
-(prompt tokens less cached ones), tokens loaded from B's tier (the usage's cached tokens: B never saw these
-prompts, so its own cache holds none of them), TTFT p50, and how many answers equal A's token for token (greedy,
-``ignore_eos``, ``--output-len`` tokens; the exit status is 1 when one does not). Then B's sidecar's fetch
-figures over the arms (``kvpool_peer_fetches_total`` by result, ``kvpool_peer_fetch_pages_total``,
+prompts, each a long prefix of its own (``--prefix-len``) and a short suffix (``--suffix-len``). All are sent to A
+first, one at a time (A computes them and its sidecar saves them; the run waits until A's connector has released
+them all), then to B, one at a time, alternately with and without the hint (the two arms interleave in time): the
+request body's ``kv_transfer_params`` ``{"remote_kv_source": {"remote_host": "127.0.0.1", "remote_port": A's peer
+port}}``, which vLLM's server hands to the connector, and the connector's request waits up to
+``peer_fetch_wait_ms`` (250 ms unless ``--fetch-wait-ms``) while B's sidecar fetches the pages from A's. Before the
+arms, one hinted request to B with a prompt of its own warms B's first NIXL connection to A (slow on a loaded
+machine) and is not counted (the arms start once its fetch has ended). Requests stream (bench/classes.py's ``one``;
+TTFT is the first token's arrival) with ``--enable-prompt-tokens-details``. Figures per arm on B: prompts, prompt
+tokens, tokens computed (prompt tokens less cached ones), tokens loaded from B's tier (the usage's cached tokens: B
+never saw these prompts, so its own cache holds none of them), TTFT p50, and how many answers equal A's token for
+token (greedy, ``ignore_eos``, ``--output-len`` tokens; the exit status is 1 when one does not). Then B's sidecar's
+fetch figures over the arms (``kvpool_peer_fetches_total`` by result, ``kvpool_peer_fetch_pages_total``,
 ``kvpool_peer_fetch_bytes_total``, ``kvpool_peer_fetch_late_total``, and ``kvpool_peer_fetch_seconds``' sum over
-its count: a fetch's mean latency and the GB/s it makes of the bytes), beside the plain copies above of one
-fetch's mean number of pages, in the same run (``--copies`` each after one that touches the pages; medians).
+its count: a fetch's mean latency and the GB/s it makes of the bytes), beside the plain copies above of one fetch's
+mean number of pages, in the same run (``--copies`` each after one that touches the pages; medians).
 """
 
 from __future__ import annotations
@@ -352,10 +352,16 @@ async def drive(args: argparse.Namespace, a: Stack, b: Stack, peer_a: int, model
 
         answers = [(await ask(a, p, False))[2] for p in [warm, *prompts]]  # A computes; its sidecar saves them
         await settled(client, a)
+        fetched = "kvpool_peer_fetch_seconds_count"
+        before = metric((await client.get(b.sidecar_url + "/metrics")).text, fetched)
         ttft, cached, _ = await ask(b, warm, True)
+        deadline = time.monotonic() + 5  # its fetch ends (lands or fails) within the sidecar's budget, 2 s
+        while metric(side0 := (await client.get(b.sidecar_url + "/metrics")).text, fetched) == before:
+            if time.monotonic() > deadline:
+                raise RuntimeError("B's sidecar started no fetch for the warm-up (is A's peer port among B's --peers?)")
+            await asyncio.sleep(0.05)
         print(f"warm-up (not counted): one hinted request to B, {cached} of {len(warm)} prompt tokens loaded, "
               f"TTFT {ttft:.0f} ms (B's first NIXL connection to A)", flush=True)
-        side0 = (await client.get(b.sidecar_url + "/metrics")).text
         engine0 = (await client.get(b.url + "/metrics")).text
         rows: dict[bool, list[tuple[float, int, int, bool]]] = {True: [], False: []}
         for i, (prompt, answer) in enumerate(zip(prompts, answers[1:], strict=True)):
@@ -404,7 +410,8 @@ def report(args: argparse.Namespace, kv_shape: str, rows: dict, side0: str, side
     seconds = delta(side0, side1, "kvpool_peer_fetch_seconds_sum")
     count = delta(side0, side1, "kvpool_peer_fetch_seconds_count")
     late = delta(side0, side1, "kvpool_peer_fetch_late_total")
-    print(f"B's sidecar (kvpool_peer_fetch*): fetches {', '.join(f'{r} {n:.0f}' for r, n in results.items() if n)}; "
+    by_result = ", ".join(f"{r} {n:.0f}" for r, n in results.items() if n) or "none"
+    print(f"B's sidecar (kvpool_peer_fetch*): fetches {by_result}; "
           f"{pages:.0f} pages, {nbytes / 2**20:.2f} MiB; engine lookups that stopped waiting: {late:.0f}")
     if not count or not pages:
         print("no pages fetched: no plain copy to compare")
