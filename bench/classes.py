@@ -142,10 +142,14 @@ def plan(args: argparse.Namespace, seed: int) -> tuple[list[int], list[Turns], T
     return doc, chats, questions, sorted(sends, key=lambda s: s[0])
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int) -> tuple[float, int]:
-    """Stream one completion: (TTFT in ms, cached prompt tokens)."""
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], out_len: int, *,
+              extra: dict | None = None, token_ids: list[int] | None = None) -> tuple[float, int]:
+    """Stream one completion: (TTFT in ms, cached prompt tokens). ``extra``: more keys of the request's body
+    (``kv_transfer_params``: bench/replicas.py); ``token_ids``: a list the generated token ids are appended to."""
     body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+    if token_ids is not None:
+        body["return_token_ids"] = True  # vLLM's: each chunk's choice carries its new tokens' ids
     start = time.perf_counter()
     ttft, cached = None, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
@@ -162,6 +166,9 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
                 data = json.loads(line[6:])
                 if ttft is None and data.get("choices"):
                     ttft = 1000 * (time.perf_counter() - start)
+                if token_ids is not None:
+                    for choice in data.get("choices") or ():
+                        token_ids.extend(choice.get("token_ids") or ())
                 usage = data.get("usage")
                 if usage:
                     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

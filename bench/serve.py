@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -169,17 +170,32 @@ class Subscriber:
 class Stack:
     """One system: its services and vLLM's OpenAI server."""
 
-    def __init__(self, system: str, args: argparse.Namespace, model: Path, kv_shape: str, work: Path) -> None:
-        self.system, self.work = system, work
+    def __init__(self, system: str, args: argparse.Namespace, model: Path, kv_shape: str, work: Path, *,
+                 sidecar_args: Sequence[str] = (), connector_extra: dict | None = None,
+                 vllm_env: dict[str, str] | None = None) -> None:
+        """``sidecar_args``: more ``kvpool-sidecar serve`` flags (a replica's peer flags: bench/replicas.py);
+        ``connector_extra``: more keys of the connector's ``kv_connector_extra_config``; ``vllm_env``:
+        environment variables of vLLM's server, over the ones set here (a core to bind to). A start that fails
+        stops what it started."""
         self.procs: list[subprocess.Popen] = []
+        self.subscriber: Subscriber | None = None
+        self.sidecar_port: int | None = None
+        self.log = None
+        try:
+            self._start(system, args, model, kv_shape, work, sidecar_args, connector_extra or {}, vllm_env or {})
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, system: str, args: argparse.Namespace, model: Path, kv_shape: str, work: Path,
+               sidecar_args: Sequence[str], connector_extra: dict, vllm_env: dict[str, str]) -> None:
+        self.system, self.work = system, work
         self.sidecar_pid: int | None = None
         self.sidecar_url: str | None = None
         gpu_blocks = args.gpu_blocks + (args.pool_pages if system == "ceiling" else 0)
         bytes_per_page = parse_shape(kv_shape).bytes_per_page(BLOCK)
         kv_transfer = None
         bindir = Path(sys.executable).parent
-        self.subscriber: Subscriber | None = None
-        self.sidecar_port: int | None = None
         kv_events = None
         if system in ("kvpool", *OPTIONAL):
             port = free_port()
@@ -187,7 +203,8 @@ class Stack:
             sock = str(work / "engine.sock")
             p = subprocess.Popen([bindir / "kvpool-sidecar", "serve", "--port", str(port), "--pages",
                                   str(args.pool_pages), "--kv-shape", kv_shape, "--config", str(work / "config.yaml"),
-                                  "--log-level", "warning", "--engine-socket", sock], start_new_session=True)
+                                  "--log-level", "warning", "--engine-socket", sock, *sidecar_args],
+                                 start_new_session=True)
             self.procs.append(p)
             self.sidecar_pid = p.pid
             self.sidecar_url = f"http://127.0.0.1:{port}"
@@ -195,7 +212,7 @@ class Stack:
             wait_http(self.sidecar_url + "/healthz")
             kv_transfer = {"kv_connector": "KVPoolConnector", "kv_connector_module_path": "kvpool_sidecar.engines.vllm",
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                           "kv_connector_extra_config": {"socket": sock}}
+                           "kv_connector_extra_config": {"socket": sock, **connector_extra}}
             if system in OPTIONAL:
                 kv_transfer["kv_connector_extra_config"]["kv_events"] = system == "kvpool-events"
                 endpoint = f"ipc://{work / 'kv-events.sock'}"
@@ -234,6 +251,7 @@ class Stack:
         if kv_events is not None:
             cmd += ["--kv-events-config", json.dumps(kv_events)]
         env.pop("TRITON_INTERPRET", None)
+        env.update(vllm_env)
         self.log = open(work / f"vllm-{system}.log", "w")
         self.procs.append(subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                            start_new_session=True))
@@ -253,7 +271,8 @@ class Stack:
                     p.wait()
         if self.sidecar_port is not None:  # an exit may leave the pool's segment for a restart: done with it
             release_instance(instance_name(self.sidecar_port))
-        self.log.close()
+        if self.log is not None:
+            self.log.close()
 
 
 def mooncake_slice(args: argparse.Namespace, folder: Path) -> Path:
