@@ -192,6 +192,25 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.release(seq_id)
             del self.seqs[seq_id]
 
+    @rule(**REQUEST, saved=st.integers(0, 12))
+    @precondition(lambda self: len(self.seqs) < 8)
+    def save_later(self, base: list[int], cut: int, suffix: list[int], tenant: str, klass: str, saved: int) -> None:
+        """The connector's way: admitted holding its cached prefix only, its other pages taken when its blocks
+        are saved (as many as its partition gives, maybe none: claims and the admission rule by evidence
+        decide), committed and released. What it published is what the pool then serves of its prompt."""
+        tokens = base[:cut] + suffix or [0]
+        seq_id = f"s{next(self.ids)}"
+        meta = WorkloadMeta(workload_class=klass, tenant=tenant)
+        hits = len(self.pool.admit(seq_id, tokens, meta=meta, allocate=False).page_ids)
+        grown = self.pool.grow(seq_id, min(saved, len(tokens) // PS) * PS)
+        held = hits + len(grown)
+        assert held <= len(tokens) // PS
+        self.pool.commit(seq_id, held * PS)
+        self.pool.release(seq_id)
+        for p in self.prefixes(tokens, tenant)[: self.pool.lookup(tokens, meta=meta) // PS]:
+            self.published.setdefault(p, object())
+            self.ever.add(p)
+
     @rule(data=st.data())
     @precondition(lambda self: bool(self.seqs))
     def commit(self, data: st.DataObject) -> None:
