@@ -111,6 +111,12 @@ def sections(synth_dir: str) -> list[Section]:
                 "The same with both pools on a tmpfs mounted `huge=always` (a mount namespace of the benchmark's "
                 "own): what the kernel's single copy does without pinning 4 KiB pages one by one.",
                 ["python", "bench/replicas.py", "--rounds", "20", "--huge-shm"]),
+        Section("Two replicas sharing one cache: the router's hint through vLLM",
+                "Two vLLM OpenAI servers on this machine, one core each, each with its own sidecar, peers of each "
+                "other (issue 66): prompts A computed, then sent to B one at a time, with and without the hint "
+                "naming A's sidecar (kv_transfer_params.remote_kv_source); the mid-size model, whose prefill "
+                "costs about what a real one's does on this machine; B's answers checked against A's.",
+                ["python", "bench/replicas.py", "--engines", "--model", "mid", "--prompts", "8"], slow=True),
         Section("Operator reconcile latency", "From a policy update to its ConfigMap, against KMock's emulator.",
                 ["python", "bench/reconcile_latency.py"]),
         Section("A real engine: vLLM serving from kvpool", "800 requests of the conversation trace through real "
