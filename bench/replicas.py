@@ -411,7 +411,7 @@ def report(args: argparse.Namespace, kv_shape: str, rows: dict, side0: str, side
     count = delta(side0, side1, "kvpool_peer_fetch_seconds_count")
     late = delta(side0, side1, "kvpool_peer_fetch_late_total")
     by_result = ", ".join(f"{r} {n:.0f}" for r, n in results.items() if n) or "none"
-    print(f"B's sidecar (kvpool_peer_fetch*): fetches {by_result}; "
+    print(f"B's sidecar (kvpool_peer_fetches_total and the like): fetches {by_result}; "
           f"{pages:.0f} pages, {nbytes / 2**20:.2f} MiB; engine lookups that stopped waiting: {late:.0f}")
     if not count or not pages:
         print("no pages fetched: no plain copy to compare")

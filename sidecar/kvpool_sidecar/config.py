@@ -115,7 +115,7 @@ class Eviction(StrictModel):
     weights: Weights = Field(default_factory=Weights)
     selfTuning: SelfTuning = Field(default_factory=SelfTuning)
     admitByEvidence: bool = Field(default=True, description=(
-        "shares protect only pages of classes seen coming back, which saves of other classes do not evict; "
+        "a share protects no page of a class shown not to come back, nor does that class's save evict others; "
         "off: a share protects whatever fills it and a save evicts whatever the policy names"))
 
 

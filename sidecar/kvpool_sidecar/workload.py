@@ -144,16 +144,16 @@ class ReuseModel:
                 fit.since_check = 0
                 self._check_drift(fit, now)
 
-    def comes_back(self, klass: StatsClass, now: float) -> bool:
-        """Whether pages of ``klass`` have been seen coming back: at least one page reuse within the
-        fit's memory (its decayed count, half-life ``FIT_HALF_LIFE_SECONDS``). The class's own, not
-        its workload class's: a stream of a class (a turn) whose pages never come back has none. The
-        evidence a page's claim on its partition's share rests on (:meth:`.Claims.claimed`)."""
+    def evidence(self, klass: StatsClass, now: float) -> tuple[float, float]:
+        """(page releases, page reuses) of ``klass`` as of ``now``, decayed as its fit decays them (half-life
+        ``FIT_HALF_LIFE_SECONDS``): the class's own, not its workload class's, so that a stream of a class (a
+        turn) whose pages never come back shows it. What a page's claim rests on (:mod:`.pool.claims`)."""
         fit = self._fits.get(klass)
-        if fit is None or fit.reuses < 1.0:
-            return False
+        if fit is None:
+            return 0.0, 0.0
         dt = now - fit.updated_at
-        return dt <= 0 or fit.reuses * math.exp(-self._decay_per_second * dt) >= 1.0
+        decay = math.exp(-self._decay_per_second * dt) if dt > 0 else 1.0
+        return fit.releases * decay, fit.reuses * decay
 
     # --------------------------------------------------------------------------------- the fit
     def params(self, klass: StatsClass) -> tuple[float, float]:

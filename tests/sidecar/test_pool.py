@@ -624,20 +624,23 @@ def saved_later(pool: PagePool, seq: str, hashes: list[str], meta: WorkloadMeta)
 
 
 @pytest.mark.parametrize("by_evidence", [True, False])
-def test_a_save_without_reuse_evidence_does_not_evict_a_page_that_came_back(by_evidence):
-    """One shared LRU partition, full: to-C's prefix came back three times, to-B's prompts never did. A
-    to-B save then stops at the prefix (the next victim) instead of evicting it; a to-C save does not.
-    Without the rule (admitByEvidence off) the to-B save evicts the prefix."""
+def test_a_save_of_a_class_shown_not_to_come_back_does_not_evict_a_page_that_holds_a_claim(by_evidence):
+    """One shared LRU partition of 8 pages. to-B's prompts nobody sends again turn the pool over once (8
+    pages released, none back: shown not to come back); to-C's prefix comes back. to-B's saves then evict
+    to-B's own pages (no claim) until the next victim is the prefix's: there the save stops. Without the
+    rule (admitByEvidence off) it evicts the prefix."""
     pool = make_pool(8, workloads={"toB": {"isolationPercent": 0}}, learning={"minSamples": 1},
                      eviction={"policy": "lru", "admitByEvidence": by_evidence})
     toc, tob = WorkloadMeta(workload_class="toC"), WorkloadMeta(workload_class="toB")
+    for i in range(4):
+        assert len(saved_later(pool, f"b{i}", [f"b{i}-0", f"b{i}-1"], tob)) == 2  # a new class: refused nothing
     prefix = [f"p{i}" for i in range(4)]
     assert len(saved_later(pool, "p", prefix, toc)) == 4
     for i in range(3):  # it comes back
         assert saved_later(pool, f"p-again{i}", prefix, toc) == []
-    for i in range(2):  # the rest of the pool: to-B prompts nobody sends again
+    for i in (4, 5):  # the victims are to-B's old prompts: taken
         assert len(saved_later(pool, f"b{i}", [f"b{i}-0", f"b{i}-1"], tob)) == 2
-    grown = saved_later(pool, "b2", ["b2-0", "b2-1"], tob)  # the pool is full: the next victim is the prefix's
+    grown = saved_later(pool, "b6", ["b6-0", "b6-1"], tob)  # the next victim is the prefix's
     if by_evidence:
         assert grown == [] and pool.evidence_refused == 2
         assert pool.lookup(block_hashes=prefix, meta=toc) == 4 * PS  # the prefix stays whole
@@ -702,3 +705,43 @@ def test_a_flood_does_not_take_its_share_back_from_pages_that_come_back():
     assert saved_later(pool, "b1-again", ["b1-0", "b1-1"], tob) == []  # to-B's class comes back now
     assert len(saved_later(pool, "b3", ["b3-0", "b3-1"], tob)) == 2
     assert pool.eviction.evictions_by[("toC", "reclaimed")] == 2
+
+
+def test_a_new_to_b_class_takes_its_share_back_from_pages_that_come_back():
+    """to-C fills the whole pool, to-B's idle share included, with pages that come back; a to-B class the
+    pool has no evidence about saves: it gets its share back (to-C's pages there are borrowed), never refused."""
+    pool = make_pool(8, workloads={"toB": {"isolationPercent": 50}}, learning={"minSamples": 1},
+                     eviction={"policy": "lru"})
+    toc, tob = WorkloadMeta(workload_class="toC"), WorkloadMeta(workload_class="toB")
+    for name in ("a", "b"):
+        prefix = [f"{name}{i}" for i in range(4)]
+        assert len(saved_later(pool, name, prefix, toc)) == 4
+        assert saved_later(pool, f"{name}-again", prefix, toc) == []
+    assert pool.stats().free_pages == 0
+    for i in range(3):
+        assert len(saved_later(pool, f"new{i}", [f"new{i}-0"], tob)) == 1
+    assert pool.evidence_refused == 0
+    assert pool.eviction.evictions_by[("toC", "reclaimed")] == 3
+
+
+def test_a_page_past_its_window_holds_no_claim():
+    """to-B's prompts come back, so their pages hold claims, but only for to-B's window (10 s): past it,
+    to-C takes them before its own prefix, which came back within its own window (10 min)."""
+    now = [0.0]
+    pool = PagePool(8, KVCachePolicySpec.model_validate({
+        "pageSize": PS, "eviction": {"policy": "lru"}, "pinning": {"autoPin": {"enabled": False}},
+        "workloads": {"toB": {"isolationPercent": 50}}, "learning": {"minSamples": 1}}), clock=lambda: now[0])
+    toc, tob = WorkloadMeta(workload_class="toC"), WorkloadMeta(workload_class="toB")
+    prefix = [f"p{i}" for i in range(4)]
+    assert len(saved_later(pool, "p", prefix, toc)) == 4
+    assert saved_later(pool, "p-again", prefix, toc) == []
+    for i in range(2):
+        assert len(saved_later(pool, f"b{i}", [f"b{i}-0", f"b{i}-1"], tob)) == 2
+        assert saved_later(pool, f"b{i}-again", [f"b{i}-0", f"b{i}-1"], tob) == []
+    now[0] = 5.0  # within to-B's window: its share holds, to-C evicts its own prefix's tail
+    assert len(saved_later(pool, "c", ["c-0"], toc)) == 1
+    assert pool.lookup(block_hashes=prefix, meta=toc) == 3 * PS
+    now[0] = 20.0  # past it: to-B's pages go first
+    assert len(saved_later(pool, "d", ["d-0"], toc)) == 1
+    assert pool.lookup(block_hashes=prefix, meta=toc) == 3 * PS
+    assert pool.eviction.evictions_by[("toB", "unclaimed")] == 1

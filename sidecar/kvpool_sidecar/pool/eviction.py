@@ -4,7 +4,8 @@ back in, allocation from the free stack, then eviction by each partition's polic
 One path takes victims: :meth:`Eviction._evict_batch` (bulk or one at a time, the leaf fast path
 inlined), which hands over to :meth:`Eviction._evict_with_descendants` when a victim has cached
 descendants (they go too, leaves first: I4). Owns I5 (a page in use or pinned is in no policy), I7
-(a class allocates and evicts only inside its partition), the eviction counters (every evicted
+(a class allocates and evicts only inside its partition, and the other's pages past that one's share or
+without a claim), the eviction counters (every evicted
 page is counted once, under one reason). Which pages a partition's share protects is :mod:`.claims`'
 test; how many pages a partition could get is :mod:`.capacity`'s count, by the rules of
 :meth:`Eviction.allocate`.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
-from kvpool_sidecar.keys import workload_class_of
+from kvpool_sidecar.keys import TO_B, workload_class_of
 from kvpool_sidecar.policies import NO_PAGE, EvictionPolicy
 from kvpool_sidecar.pool.claims import Claims
 from kvpool_sidecar.pool.pages import PageTable
@@ -38,7 +39,7 @@ class Eviction:
         self.owned = [0, 0]  # pages in use or cached, by partition
         self.evictions = 0
         self.evictions_by: dict[tuple[str, str], int] = {}  # (partition, reason) -> pages
-        self.claims = Claims(table, self.policies)
+        self.claims = Claims(table, self)
         self.configure(settings)
 
     def configure(self, settings: PoolSettings) -> None:
@@ -47,6 +48,10 @@ class Eviction:
         self.window_of = settings.window_of
         self._windows: dict[Hashable, float] = {}  # by statistics class (a bounded set: keys.MAX_REQUEST_TYPES)
         self.low_watermark = settings.low_watermark
+
+    def partition_of(self, workload_class: str) -> int:
+        """The partition a class allocates in (I7): to-B's own while it has a share, else the shared one."""
+        return 1 if workload_class == TO_B and self.caps[1] > 0 else 0
 
     def expired(self, page: int, now: float) -> bool:
         """Whether cached ``page`` waited past its reuse window: the window, as of its release, of

@@ -1,6 +1,7 @@
 """Growing a live sequence: the pages for its keys past those it holds, taken when their bytes are about
 to be written (an engine's save: the connector's *grow*), and the admission rule by evidence
-(``eviction.admitByEvidence``): a page with no evidence of reuse does not evict one with it. A part of
+(``eviction.admitByEvidence``): a save of a class shown not to come back does not evict a page that holds
+a claim (:mod:`.claims`). A part of
 :class:`~kvpool_sidecar.pool.PagePool`.
 """
 
@@ -56,15 +57,13 @@ class Growth:
         return pages
 
     def _allocate_by_evidence(self, seq: SeqState, need: int, now: float) -> list[int]:
-        """Up to ``need`` pages for ``seq``. When its class's pages have not been seen coming back (the
-        reuse model's evidence), one at a time, stopping before a victim that holds a claim
-        (:meth:`.Claims.claimed`: within its window, of a class that comes back): a page with no
-        evidence of reuse does not evict one with it. A class with none at all (a cold start) refuses
-        nothing. The pages it stops short of are counted (``evidence_refused``)."""
+        """Up to ``need`` pages for ``seq``. When its class is shown not to come back (:class:`.Claims`), one at
+        a time, stopping before a victim that holds a claim: a page with evidence against its reuse does not
+        evict one without it. Pages it stops short of are counted (``evidence_refused``)."""
         eviction = self.eviction
         part = seq.partition
         claims = eviction.claims
-        if claims.fresh(seq.klass, now):
+        if not claims.never_back(seq.klass, now):
             return eviction.allocate(part, need, now)
         pages: list[int] = []
         while len(pages) < need:

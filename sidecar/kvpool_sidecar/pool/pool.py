@@ -26,7 +26,6 @@ from kvpool_sidecar.keys import (
     DEFAULT_META,
     MAX_REQUEST_TYPES,
     OTHER_REQUEST_TYPES,
-    TO_B,
     ClassKey,
     WorkloadMeta,
     prompt_keys,
@@ -80,8 +79,9 @@ class PagePool:
     * I5 eviction safety: a page in use or pinned is never in a policy, so never evicted.
     * I6 pin quota: pinned pages never exceed the quota (a lower quota applied live unpins the oldest).
     * I7 partitions: a class evicts only its own pages, and the other's only past that one's share
-      (to-C borrows to-B's idle share; to-B reclaims it one eviction per page); to-B holds at most its
-      share, and to-C's pages in use or pinned stay within its own.
+      (to-C borrows to-B's idle share; to-B reclaims it one eviction per page) or, within it, those that
+      hold no claim while its own victim does (:mod:`.claims`); to-B holds at most its share, and to-C's
+      pages in use or pinned stay within its own.
     * I8 all or nothing: a call that raises leaves the pool exactly as it was.
     * I9 no leaks: with no sequence alive, free + cached pages == total pages.
     """
@@ -128,7 +128,7 @@ class PagePool:
         self.pinning.configure(settings)
         self.frequencies.configure(settings)
         # eviction.admitByEvidence: a page's claim on its share and the saves' admission rest on the model
-        self.eviction.claims.comes_back = self.model.comes_back if settings.by_evidence else None
+        self.eviction.claims.evidence = self.model.evidence if settings.by_evidence else None
         self.spec = spec
 
     def _new_policy(self, spec: KVCachePolicySpec, part: int) -> EvictionPolicy:
@@ -257,7 +257,7 @@ class PagePool:
         ps = self.page_size
         hits = self.table.cached_prefix(keys)
         need = -(-n // ps) - len(hits) if allocate else 0
-        part = 1 if meta.workload_class == TO_B and eviction.caps[1] > 0 else 0  # partition_of, inlined
+        part = eviction.partition_of(meta.workload_class)
         if need > 0 and not self.capacity.surely_obtainable(part, need, len(hits)):
             obtainable = self.capacity.obtainable(part, hits)
             if need > obtainable:

@@ -269,8 +269,8 @@ class _PoolCollector(Collector):
             "in flight)", value=snap["unwritten"],
         )
         yield CounterMetricFamily(
-            "kvpool_evidence_refused_pages", "Pages an engine's saves did not take because their class's pages "
-            "have not been seen coming back and the page they would evict holds a claim (eviction.admitByEvidence)",
+            "kvpool_evidence_refused_pages", "Pages an engine's saves did not take because their class is shown not "
+            "to come back and the page they would evict holds a claim (eviction.admitByEvidence)",
             value=snap["evidence_refused"])
         yield GaugeMetricFamily("kvpool_sequences", "Live sequences", value=snap["sequences"])
         yield CounterMetricFamily(
