@@ -11,7 +11,6 @@ from kvpool_sidecar.errors import InvalidRequest
 from kvpool_sidecar.pool.capacity import Capacity
 from kvpool_sidecar.pool.eviction import Eviction
 from kvpool_sidecar.pool.frequencies import PageFrequencies
-from kvpool_sidecar.pool.pages import PageTable
 from kvpool_sidecar.pool.pins import Pinning
 from kvpool_sidecar.pool.records import SeqState
 from kvpool_sidecar.pool.sequences import SequenceTable
@@ -20,16 +19,15 @@ from kvpool_sidecar.pool.sequences import SequenceTable
 class Growth:
     """A pool's sequences growing into pages of their partition, as many as it can get."""
 
-    def __init__(self, table: PageTable, eviction: Eviction, capacity: Capacity, pinning: Pinning,
+    def __init__(self, eviction: Eviction, capacity: Capacity, pinning: Pinning,
                  sequences: SequenceTable, frequencies: PageFrequencies, page_size: int) -> None:
-        self.table = table
         self.eviction = eviction
         self.capacity = capacity
         self.pinning = pinning
         self.sequences = sequences
         self.frequencies = frequencies
         self.page_size = page_size
-        self.evidence_refused = 0  # pages grows did not take: the victim's evidence outweighed theirs
+        self.evidence_refused = 0  # pages grows did not take: their class shown not to come back, the victim claimed
 
     def grow(self, seq_id: str, num_tokens: int, now: float) -> list[int]:
         """Pages for the sequence's keys up to ``num_tokens`` (whole pages) past those it holds, taken now

@@ -110,7 +110,7 @@ class PagePool:
         self.sequences = SequenceTable(self.table, self.eviction, self.capacity, self.pinning, self.page_size,
                                        max_sequences, max_sequence_tokens)
         self.model = ReuseModel(spec)
-        self.growth = Growth(self.table, self.eviction, self.capacity, self.pinning, self.sequences,
+        self.growth = Growth(self.eviction, self.capacity, self.pinning, self.sequences,
                              self.frequencies, self.page_size)
         self._fixed_factory = policy_factory
         self.eviction.policies[:] = [self._new_policy(spec, i) for i in range(len(PARTITIONS))]
